@@ -1,0 +1,71 @@
+// CPU kernels of pack (gather into a contiguous buffer) and unpack (scatter or
+// scatter-add back in place). Indices are unique, so the parallel loops write
+// disjoint locations and results do not depend on the thread count.
+#include "common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+namespace slimcomm {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;
+
+at::Tensor pack_cpu(const at::Tensor& src, const at::Tensor& indices) {
+  const char* op = "pack";
+  check_values(op, "src", src);
+  check_index_tensor(op, "indices", indices);
+  check_same(op, "indices", indices, "src", src, false);
+  at::Tensor s = src.contiguous(), idx = indices.contiguous();
+  check_index_range_cpu(op, "indices", idx, s.numel());
+  at::Tensor out = at::empty({idx.numel()}, src.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "pack", [&] {
+    const scalar_t* ps = s.data_ptr<scalar_t>();
+    const int64_t* pi = idx.data_ptr<int64_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, idx.numel(), kGrain, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) po[i] = ps[pi[i]];
+    });
+  });
+  return out;
+}
+
+void unpack_cpu(const at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values,
+                bool accumulate) {
+  const char* op = "unpack";
+  check_values(op, "dst", dst);
+  check_index_tensor(op, "indices", indices);
+  check_values(op, "values", values);
+  check_same(op, "indices", indices, "dst", dst, false);
+  check_same(op, "values", values, "dst", dst);
+  SLIMCOMM_CHECK(values.numel() == indices.numel(), op, "values", "has ", values.numel(),
+                 " elements but 'indices' has ", indices.numel());
+  at::Tensor idx = indices.contiguous(), v = values.contiguous();
+  check_index_range_cpu(op, "indices", idx, dst.numel());
+  at::Tensor d = dst.is_contiguous() ? dst : dst.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, d.scalar_type(), "unpack", [&] {
+    scalar_t* pd = d.data_ptr<scalar_t>();
+    const int64_t* pi = idx.data_ptr<int64_t>();
+    const scalar_t* pv = v.data_ptr<scalar_t>();
+    at::parallel_for(0, idx.numel(), kGrain, [&](int64_t a, int64_t b) {
+      if (accumulate) {
+        for (int64_t i = a; i < b; ++i)
+          pd[pi[i]] = static_cast<scalar_t>(static_cast<float>(pd[pi[i]]) + static_cast<float>(pv[i]));
+      } else {
+        for (int64_t i = a; i < b; ++i) pd[pi[i]] = pv[i];
+      }
+    });
+  });
+  if (!d.is_same(dst)) dst.copy_(d);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(slimcomm, CPU, m) {
+  m.impl("pack", &pack_cpu);
+  m.impl("unpack", &unpack_cpu);
+}
+
+}  // namespace slimcomm

@@ -1,0 +1,80 @@
+// The slimcomm operator library: every schema is defined here, once.
+// Backends register kernels in csrc/cpu/*.cpp and csrc/cuda/*.cu.
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef SLIMCOMM_VERSION
+#define SLIMCOMM_VERSION "unknown"
+#endif
+#ifndef SLIMCOMM_TORCH_VERSION
+#define SLIMCOMM_TORCH_VERSION "unknown"
+#endif
+#ifndef SLIMCOMM_CUDA_ARCHS
+#define SLIMCOMM_CUDA_ARCHS ""
+#endif
+
+namespace slimcomm {
+namespace {
+
+// JSON with what this binary was built with; read by `python -m slimcomm.info`.
+std::string build_info() {
+  std::string s = "{\"version\": \"" SLIMCOMM_VERSION "\", \"torch\": \"" SLIMCOMM_TORCH_VERSION
+                  "\", \"cpu\": true, ";
+#ifdef SLIMCOMM_WITH_CUDA
+  s += "\"cuda\": true, \"cuda_archs\": \"" SLIMCOMM_CUDA_ARCHS "\"}";
+#else
+  s += "\"cuda\": false, \"cuda_archs\": \"\"}";
+#endif
+  return s;
+}
+
+#ifndef SLIMCOMM_WITH_CUDA
+// Without compiled CUDA kernels, every op called on CUDA tensors says so.
+void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK(false, "slimcomm.", op.schema().name(),
+              ": this slimcomm build has no CUDA kernels (built without CUDA); rebuild with a "
+              "CUDA-enabled torch and CUDA_HOME set, or SLIMCOMM_FORCE_CUDA=1 -- see "
+              "`python -m slimcomm.info`");
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY(slimcomm, m) {
+  m.def("significance_topk(Tensor weight, Tensor grad, int k, str score=\"product\") -> (Tensor, Tensor)");
+  m.def("significance_topk_segmented(Tensor weight, Tensor grad, int[] offsets, int[] ks, "
+        "str score=\"product\") -> (Tensor, Tensor)");
+  m.def("explore_sample(int n, Tensor exclude, int m, int seed, int offset) -> Tensor");
+  m.def("explore_sample_segmented(int[] offsets, Tensor exclude, int[] exclude_offsets, int[] ms, "
+        "int seed, int[] rng_offsets) -> Tensor");
+  m.def("pack(Tensor src, Tensor indices) -> Tensor");
+  m.def("unpack(Tensor(a!) dst, Tensor indices, Tensor values, bool accumulate=False) -> ()");
+  m.def("gather_slices(Tensor weight, Tensor? rows, Tensor? cols) -> Tensor");
+  m.def("scatter_slices(Tensor(a!) weight, Tensor? rows, Tensor? cols, Tensor block) -> ()");
+  m.def("gather_slices_multi(Tensor[] weights, Tensor?[] rows, Tensor?[] cols) -> Tensor");
+  m.def("scatter_slices_multi(Tensor(a!)[] weights, Tensor?[] rows, Tensor?[] cols, "
+        "Tensor buffer) -> ()");
+  m.def("_build_info() -> str", &build_info);
+}
+
+#ifndef SLIMCOMM_WITH_CUDA
+TORCH_LIBRARY_IMPL(slimcomm, CUDA, m) {
+  for (const char* name : {"significance_topk", "significance_topk_segmented", "explore_sample",
+                           "explore_sample_segmented", "pack", "unpack", "gather_slices",
+                           "scatter_slices", "gather_slices_multi", "scatter_slices_multi"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
+  }
+}
+#endif
+
+}  // namespace slimcomm
+
+// A Python module with no functions: importing slimcomm._C loads this library,
+// whose static initialisers register the ops above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr,
+                                   nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&def);
+}

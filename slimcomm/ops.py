@@ -1,0 +1,415 @@
+"""Typed wrappers around the ``torch.ops.slimcomm`` kernels.
+
+Every function here is a thin, documented entry point to one registered op.
+The op itself (schema in ``csrc/ops.cpp``) validates its arguments, so calling
+``torch.ops.slimcomm.<name>`` directly is equally safe; the wrappers add type
+hints, defaults and docstrings, and the fake (meta) kernels that let
+``torch.compile`` trace the ops live next to them.
+
+Conventions shared by all ops
+-----------------------------
+* Value tensors may be ``torch.float32``, ``torch.float16`` or
+  ``torch.bfloat16``; arithmetic (scores, accumulation) is done in fp32.
+* Index tensors are 1-D ``torch.int64``. Outputs that are index sets are
+  sorted ascending.
+* Output shapes depend only on the arguments (``k``, ``m``, index lengths),
+  never on tensor contents, so the ops are traceable.
+* Bad arguments raise ``RuntimeError`` (from ``TORCH_CHECK``) whose message
+  names the offending argument; nothing is modified when an error is raised.
+* Ops dispatch on the device of their tensor arguments. On a build without
+  CUDA kernels (see ``python -m slimcomm.info``), calling an op on CUDA
+  tensors raises an error that says so.
+
+The semantics of every op are defined executably by the pure-PyTorch
+versions in :mod:`slimcomm.reference`; the tests hold the kernels to them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _C  # noqa: F401  (loads the kernel library and registers the ops)
+
+__all__ = [
+    "SCORES",
+    "significance_topk",
+    "significance_topk_segmented",
+    "explore_sample",
+    "explore_sample_segmented",
+    "pack",
+    "unpack",
+    "gather_slices",
+    "scatter_slices",
+    "gather_slices_multi",
+    "scatter_slices_multi",
+    "slices_numel",
+]
+
+SCORES = ("product", "grad", "weight")
+"""Accepted values of the ``score`` argument of the selection ops."""
+
+_ops = torch.ops.slimcomm
+
+
+# ---------------------------------------------------------------------------
+# Selection (Slim-DP, arXiv 1709.09393, Sec. 3: significance = |w| x |g|)
+# ---------------------------------------------------------------------------
+
+def significance_topk(
+    weight: torch.Tensor, grad: torch.Tensor, k: int, score: str = "product"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices and gradient values of the ``k`` most significant coordinates.
+
+    Slim-DP (Sun et al., arXiv 1709.09393, Sec. 3.1) calls a parameter
+    significant when ``|w| * |g|`` is large; the core set is the top-k by that
+    score. The score is computed on the fly in fp32 and never materialised.
+
+    Args:
+        weight: 1-D tensor ``[N]``, fp32/fp16/bf16.
+        grad: 1-D tensor ``[N]``, same dtype and device as ``weight``.
+        k: number of coordinates to select, ``0 <= k <= N``.
+        score: ``"product"`` = ``|w| * |g|`` (fp32), ``"grad"`` = ``|g|``,
+            ``"weight"`` = ``|w|``.
+
+    Returns:
+        ``(indices, values)``: ``indices`` int64 ``[k]`` sorted ascending,
+        ``values = grad[indices]`` ``[k]`` in ``grad``'s dtype.
+
+    Ordering is that of ``torch.topk`` on the fp32 score with NaN ranked above
+    ``+inf``; among equal scores the lowest index wins, so the selected set is
+    fully determined by the inputs.
+
+    Raises:
+        RuntimeError: ``k`` negative or larger than ``N``; ``weight``/``grad``
+            not 1-D, of different shapes, dtypes or devices, or not floating
+            point; unknown ``score``.
+    """
+    return _ops.significance_topk(weight, grad, k, score)
+
+
+def significance_topk_segmented(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    offsets: Sequence[int],
+    ks: Sequence[int],
+    score: str = "product",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`significance_topk` over every segment of a flat buffer, in one call.
+
+    A DDP bucket is a flat concatenation of parameters and Slim-DP selects per
+    parameter; this op does the work of one call per segment.
+
+    Args:
+        weight, grad: 1-D ``[N]`` as in :func:`significance_topk`.
+        offsets: ``S + 1`` non-decreasing ints with ``0 <= offsets[0]`` and
+            ``offsets[S] <= N``; segment ``s`` is ``[offsets[s], offsets[s+1])``.
+            Gaps between segments are allowed and ignored.
+        ks: ``S`` ints, ``0 <= ks[s] <= offsets[s+1] - offsets[s]``.
+        score: as in :func:`significance_topk`.
+
+    Returns:
+        ``(indices, values)`` of length ``sum(ks)``: the concatenation over
+        segments of each segment's result, indices into the flat buffer
+        (segment-local result + ``offsets[s]``), ascending within a segment.
+        Each segment's part equals ``significance_topk`` on that segment alone.
+
+    Raises:
+        RuntimeError: as :func:`significance_topk`, plus malformed ``offsets``
+            or ``ks`` (wrong length, decreasing, out of range).
+    """
+    return _ops.significance_topk_segmented(weight, grad, list(offsets), list(ks), score)
+
+
+def explore_sample(
+    n: int,
+    exclude: torch.Tensor,
+    m: int,
+    seed: int,
+    offset: int,
+) -> torch.Tensor:
+    """``m`` distinct indices of ``[0, n)`` outside ``exclude``, uniformly at random.
+
+    The explore set of Slim-DP (arXiv 1709.09393, Sec. 3.2): coordinates that
+    are insignificant now are still visited at random. Sampling is uniform
+    without replacement and a pure function of the arguments (bit-identical
+    on every process, thread count and device, independent of torch's global
+    RNG): index ``i`` gets the 64-bit key from Philox4x32-10 with
+    ``key = (seed & 0xffffffff, seed >> 32)`` and
+    ``counter = (p & 0xffffffff, p >> 32, offset & 0xffffffff, offset >> 32)``
+    where ``p = i >> 1``; an even ``i`` takes ``out[0] << 32 | out[1]``, an odd
+    ``i`` ``out[2] << 32 | out[3]``. The ``m`` non-excluded indices with the
+    smallest ``(key, index)`` are returned.
+
+    Args:
+        n: size of the index range, ``n >= 0``.
+        exclude: 1-D int64 tensor of indices to skip, strictly increasing,
+            within ``[0, n)``. Its device selects the kernel (pass an empty
+            tensor on the wanted device to exclude nothing).
+        m: sample size, ``0 <= m <= n - len(exclude)``.
+        seed: 64-bit seed (Python int; negative values use their two's
+            complement bits).
+        offset: 64-bit RNG stream offset; use a different one per step and
+            per parameter to get independent samples.
+
+    Returns:
+        int64 tensor ``[m]`` sorted ascending, on ``exclude``'s device.
+
+    Raises:
+        RuntimeError: negative ``n``/``m``, ``m`` larger than what is left,
+            ``exclude`` not 1-D int64, out of range, or not strictly increasing.
+    """
+    return _ops.explore_sample(n, exclude, m, seed, offset)
+
+
+def explore_sample_segmented(
+    offsets: Sequence[int],
+    exclude: torch.Tensor,
+    exclude_offsets: Sequence[int],
+    ms: Sequence[int],
+    seed: int,
+    rng_offsets: Sequence[int],
+) -> torch.Tensor:
+    """:func:`explore_sample` for every segment of a flat buffer, in one call.
+
+    Args:
+        offsets: ``S + 1`` non-decreasing ints; segment ``s`` is
+            ``[offsets[s], offsets[s+1])`` of a flat buffer.
+        exclude: 1-D int64, the concatenation of each segment's excluded
+            indices, given as indices into the flat buffer, strictly
+            increasing within each segment and inside that segment.
+        exclude_offsets: ``S + 1`` non-decreasing ints delimiting the part of
+            ``exclude`` that belongs to each segment
+            (``exclude_offsets[0] == 0``, ``exclude_offsets[S] == len(exclude)``).
+        ms: ``S`` sample sizes.
+        seed: as in :func:`explore_sample`.
+        rng_offsets: ``S`` RNG offsets, one per segment.
+
+    Returns:
+        int64 ``[sum(ms)]``: concatenation over segments of
+        ``explore_sample(n_s, exclude_s - offsets[s], ms[s], seed, rng_offsets[s])
+        + offsets[s]``, i.e. keys use segment-local indices.
+
+    Raises:
+        RuntimeError: as :func:`explore_sample`, plus malformed offsets.
+    """
+    return _ops.explore_sample_segmented(
+        list(offsets), exclude, list(exclude_offsets), list(ms), seed, list(rng_offsets)
+    )
+
+
+# ---------------------------------------------------------------------------
+# Sparse pack / unpack
+# ---------------------------------------------------------------------------
+
+def pack(src: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Gather ``src[indices]`` into a new contiguous buffer.
+
+    Args:
+        src: 1-D ``[N]`` fp32/fp16/bf16.
+        indices: 1-D int64 ``[K]``, each in ``[0, N)``, same device.
+
+    Returns:
+        ``[K]`` tensor of ``src``'s dtype.
+
+    Raises:
+        RuntimeError: non-1-D arguments, wrong index dtype, index out of
+            range, mismatched devices.
+    """
+    return _ops.pack(src, indices)
+
+
+def unpack(
+    dst: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, accumulate: bool = False
+) -> None:
+    """Scatter ``values`` into ``dst`` at ``indices``, in place.
+
+    ``dst[indices] = values`` or, with ``accumulate=True``,
+    ``dst[indices] += values`` (sum in fp32, rounded once to ``dst``'s dtype).
+    ``indices`` must be unique (as produced by the selection ops); with
+    duplicates the result is unspecified.
+
+    Args:
+        dst: 1-D ``[N]`` fp32/fp16/bf16, modified in place.
+        indices: 1-D int64 ``[K]`` in ``[0, N)``.
+        values: 1-D ``[K]``, same dtype and device as ``dst``.
+
+    Raises:
+        RuntimeError: shape/dtype/device mismatch or index out of range
+            (``dst`` is left untouched).
+    """
+    _ops.unpack(dst, indices, values, accumulate)
+
+
+# ---------------------------------------------------------------------------
+# Row/column slicing for independent subnet training (IST, arXiv 1910.02120)
+# ---------------------------------------------------------------------------
+
+def gather_slices(
+    weight: torch.Tensor, rows: Optional[torch.Tensor], cols: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """``weight[rows][:, cols]`` as one contiguous block.
+
+    IST (Yuan et al., arXiv 1910.02120, Sec. 3) gives each worker the rows
+    (output neurons) and columns (input neurons) of its block.
+
+    Args:
+        weight: 2-D ``[R, C]`` (or 1-D ``[R]``, then ``cols`` must be None),
+            fp32/fp16/bf16.
+        rows: 1-D int64 ``[r]`` in ``[0, R)``, or None for all rows.
+        cols: 1-D int64 ``[c]`` in ``[0, C)``, or None for all columns.
+
+    Returns:
+        contiguous ``[r, c]`` (or ``[r]``) tensor of ``weight``'s dtype.
+
+    Raises:
+        RuntimeError: index out of range, wrong dtype/rank, device mismatch.
+    """
+    return _ops.gather_slices(weight, rows, cols)
+
+
+def scatter_slices(
+    weight: torch.Tensor,
+    rows: Optional[torch.Tensor],
+    cols: Optional[torch.Tensor],
+    block: torch.Tensor,
+) -> None:
+    """Write ``block`` back into ``weight[rows][:, cols]`` in place.
+
+    Inverse of :func:`gather_slices`; ``rows`` and ``cols`` must be unique.
+
+    Args:
+        weight: 2-D ``[R, C]`` or 1-D ``[R]``, modified in place.
+        rows, cols: as in :func:`gather_slices`.
+        block: ``[r, c]`` (or ``[r]``), same dtype and device as ``weight``.
+
+    Raises:
+        RuntimeError: shape mismatch of ``block``, index out of range, dtype
+            or device mismatch (``weight`` is left untouched).
+    """
+    _ops.scatter_slices(weight, rows, cols, block)
+
+
+def gather_slices_multi(
+    weights: Sequence[torch.Tensor],
+    rows: Sequence[Optional[torch.Tensor]],
+    cols: Sequence[Optional[torch.Tensor]],
+) -> torch.Tensor:
+    """Gather many slices into ONE flat buffer (so one collective moves a subnet).
+
+    Args:
+        weights: ``T`` tensors (1-D or 2-D), all of one dtype and device.
+        rows, cols: ``T`` entries each, as in :func:`gather_slices`.
+
+    Returns:
+        1-D tensor ``[sum of block sizes]``: block ``t`` flattened row-major,
+        blocks in list order (see :func:`slices_numel`).
+
+    Raises:
+        RuntimeError: lists of different lengths, mixed dtypes/devices, or any
+            error of :func:`gather_slices` (naming the list position).
+    """
+    return _ops.gather_slices_multi(list(weights), list(rows), list(cols))
+
+
+def scatter_slices_multi(
+    weights: Sequence[torch.Tensor],
+    rows: Sequence[Optional[torch.Tensor]],
+    cols: Sequence[Optional[torch.Tensor]],
+    buffer: torch.Tensor,
+) -> None:
+    """Inverse of :func:`gather_slices_multi`: write every block back in place.
+
+    Args:
+        weights, rows, cols: as in :func:`gather_slices_multi`.
+        buffer: 1-D, exactly ``slices_numel(weights, rows, cols)`` elements,
+            same dtype and device as the weights.
+
+    Raises:
+        RuntimeError: wrong ``buffer`` size, or any error of
+            :func:`scatter_slices` (no weight is modified then).
+    """
+    _ops.scatter_slices_multi(list(weights), list(rows), list(cols), buffer)
+
+
+def slices_numel(
+    weights: Sequence[torch.Tensor],
+    rows: Sequence[Optional[torch.Tensor]],
+    cols: Sequence[Optional[torch.Tensor]],
+) -> int:
+    """Number of elements :func:`gather_slices_multi` returns for these slices."""
+    total = 0
+    for w, r, c in zip(weights, rows, cols):
+        nr = w.shape[0] if r is None else r.numel()
+        nc = 1 if w.dim() == 1 else (w.shape[1] if c is None else c.numel())
+        total += nr * nc
+    return total
+
+
+# ---------------------------------------------------------------------------
+# Fake (meta) kernels: output shapes from the arguments alone.
+# ---------------------------------------------------------------------------
+
+@torch.library.register_fake("slimcomm::significance_topk")
+def _(weight, grad, k, score="product"):
+    return weight.new_empty((k,), dtype=torch.int64), grad.new_empty((k,))
+
+
+@torch.library.register_fake("slimcomm::significance_topk_segmented")
+def _(weight, grad, offsets, ks, score="product"):
+    total = sum(ks)
+    return weight.new_empty((total,), dtype=torch.int64), grad.new_empty((total,))
+
+
+@torch.library.register_fake("slimcomm::explore_sample")
+def _(n, exclude, m, seed, offset):
+    return exclude.new_empty((m,), dtype=torch.int64)
+
+
+@torch.library.register_fake("slimcomm::explore_sample_segmented")
+def _(offsets, exclude, exclude_offsets, ms, seed, rng_offsets):
+    return exclude.new_empty((sum(ms),), dtype=torch.int64)
+
+
+@torch.library.register_fake("slimcomm::pack")
+def _(src, indices):
+    return src.new_empty((indices.shape[0],))
+
+
+@torch.library.register_fake("slimcomm::unpack")
+def _(dst, indices, values, accumulate=False):
+    return None
+
+
+def _block_shape(w, r, c):
+    nr = w.shape[0] if r is None else r.shape[0]
+    if w.dim() == 1:
+        return (nr,)
+    return (nr, w.shape[1] if c is None else c.shape[0])
+
+
+@torch.library.register_fake("slimcomm::gather_slices")
+def _(weight, rows, cols):
+    return weight.new_empty(_block_shape(weight, rows, cols))
+
+
+@torch.library.register_fake("slimcomm::scatter_slices")
+def _(weight, rows, cols, block):
+    return None
+
+
+@torch.library.register_fake("slimcomm::gather_slices_multi")
+def _(weights, rows, cols):
+    total = 0
+    for w, r, c in zip(weights, rows, cols):
+        n = 1
+        for d in _block_shape(w, r, c):
+            n = n * d
+        total = total + n
+    return weights[0].new_empty((total,))
+
+
+@torch.library.register_fake("slimcomm::scatter_slices_multi")
+def _(weights, rows, cols, buffer):
+    return None

@@ -1,0 +1,175 @@
+"""Pure-PyTorch (and NumPy) versions of every slimcomm op: the test oracle.
+
+These functions define the semantics of :mod:`slimcomm.ops` executably and
+have the same names and signatures. They are deliberately simple (full sorts,
+materialised scores, Python loops over segments) and are never the fast path:
+library code calls :mod:`slimcomm.ops`, tests compare the two.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "score_of",
+    "significance_topk",
+    "significance_topk_segmented",
+    "philox4x32_10",
+    "explore_keys",
+    "explore_sample",
+    "explore_sample_segmented",
+    "pack",
+    "unpack",
+    "gather_slices",
+    "scatter_slices",
+    "gather_slices_multi",
+    "scatter_slices_multi",
+]
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def score_of(weight: torch.Tensor, grad: torch.Tensor, score: str = "product") -> torch.Tensor:
+    """The fp32 significance score: ``|w|*|g|``, ``|g|`` or ``|w|``."""
+    if score == "product":
+        return weight.float().abs() * grad.float().abs()
+    if score == "grad":
+        return grad.float().abs()
+    if score == "weight":
+        return weight.float().abs()
+    raise ValueError(f"score must be one of 'product', 'grad', 'weight', got {score!r}")
+
+
+def significance_topk(weight, grad, k, score="product"):
+    """Reference top-k: sort by (score descending, NaN above +inf, index ascending)."""
+    s = score_of(weight, grad, score)
+    # Non-negative fp32 values order like their int32 bit patterns; NaN goes on top.
+    bits = s.view(torch.int32).to(torch.int64)
+    bits = torch.where(torch.isnan(s), torch.full_like(bits, 0x7FFFFFFF), bits)
+    idx = torch.arange(s.numel(), dtype=torch.int64)
+    composite = bits * (1 << 32) + ((1 << 32) - 1 - idx)  # ties: lowest index ranks higher
+    order = torch.sort(composite, descending=True).indices
+    chosen = torch.sort(order[:k]).values
+    return chosen, grad[chosen]
+
+
+def significance_topk_segmented(weight, grad, offsets, ks, score="product"):
+    """Reference segmented top-k: one :func:`significance_topk` per segment."""
+    idx_parts, val_parts = [], []
+    for s, k in enumerate(ks):
+        lo, hi = offsets[s], offsets[s + 1]
+        i, _ = significance_topk(weight[lo:hi], grad[lo:hi], k, score)
+        idx_parts.append(i + lo)
+        val_parts.append(grad[i + lo])
+    if not idx_parts:
+        return torch.empty(0, dtype=torch.int64), grad[:0].clone()
+    return torch.cat(idx_parts), torch.cat(val_parts)
+
+
+def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
+    """Philox4x32-10 (Salmon et al., SC'11) on ``counter`` ``[n, 4]`` uint32 words.
+
+    Returns ``[n, 4]`` uint64 arrays holding the 32-bit output words.
+    """
+    m0, m1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+    w0, w1 = 0x9E3779B9, 0xBB67AE85
+    c = [counter[:, j].astype(np.uint64) for j in range(4)]
+    k0, k1 = key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF
+    for r in range(10):
+        p0 = c[0] * m0
+        p1 = c[2] * m1
+        hi0, lo0 = p0 >> np.uint64(32), p0 & _MASK32
+        hi1, lo1 = p1 >> np.uint64(32), p1 & _MASK32
+        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
+        k0 = (k0 + w0) & 0xFFFFFFFF
+        k1 = (k1 + w1) & 0xFFFFFFFF
+    return np.stack(c, axis=1)
+
+
+def explore_keys(n: int, seed: int, offset: int) -> np.ndarray:
+    """The 64-bit explore key of every index in ``[0, n)`` (uint64 array)."""
+    seed &= (1 << 64) - 1
+    offset &= (1 << 64) - 1
+    pairs = np.arange((n + 1) // 2, dtype=np.uint64)
+    ctr = np.stack(
+        [
+            pairs & _MASK32,
+            pairs >> np.uint64(32),
+            np.full_like(pairs, offset & 0xFFFFFFFF),
+            np.full_like(pairs, offset >> 32),
+        ],
+        axis=1,
+    )
+    out = philox4x32_10(ctr, (seed & 0xFFFFFFFF, seed >> 32))
+    even = (out[:, 0] << np.uint64(32)) | out[:, 1]
+    odd = (out[:, 2] << np.uint64(32)) | out[:, 3]
+    keys = np.empty(2 * len(pairs), dtype=np.uint64)
+    keys[0::2] = even
+    keys[1::2] = odd
+    return keys[:n]
+
+
+def explore_sample(n, exclude, m, seed, offset):
+    """Reference explore sample: the ``m`` smallest (key, index) outside ``exclude``."""
+    keys = explore_keys(n, seed, offset)
+    allowed = np.ones(n, dtype=bool)
+    allowed[exclude.cpu().numpy()] = False
+    cand = np.nonzero(allowed)[0]
+    order = np.lexsort((cand, keys[cand]))  # primary key: keys, then index
+    chosen = np.sort(cand[order[:m]])
+    return torch.from_numpy(chosen.astype(np.int64)).to(exclude.device)
+
+
+def explore_sample_segmented(offsets, exclude, exclude_offsets, ms, seed, rng_offsets):
+    """Reference segmented explore sample: one :func:`explore_sample` per segment."""
+    parts = []
+    for s, m in enumerate(ms):
+        lo, hi = offsets[s], offsets[s + 1]
+        ex = exclude[exclude_offsets[s]:exclude_offsets[s + 1]] - lo
+        parts.append(explore_sample(hi - lo, ex, m, seed, rng_offsets[s]) + lo)
+    if not parts:
+        return exclude.new_empty(0)
+    return torch.cat(parts)
+
+
+def pack(src, indices):
+    return src[indices]
+
+
+def unpack(dst, indices, values, accumulate=False):
+    if accumulate:
+        dst[indices] = (dst[indices].float() + values.float()).to(dst.dtype)
+    else:
+        dst[indices] = values
+
+
+def gather_slices(weight, rows: Optional[torch.Tensor], cols: Optional[torch.Tensor]):
+    out = weight if rows is None else weight[rows]
+    if cols is not None:
+        out = out[:, cols]
+    return out.contiguous().clone()
+
+
+def scatter_slices(weight, rows, cols, block):
+    r = torch.arange(weight.shape[0]) if rows is None else rows
+    if weight.dim() == 1:
+        weight[r] = block
+        return
+    c = torch.arange(weight.shape[1]) if cols is None else cols
+    weight[r.unsqueeze(1), c.unsqueeze(0)] = block
+
+
+def gather_slices_multi(weights: Sequence[torch.Tensor], rows, cols):
+    return torch.cat([gather_slices(w, r, c).reshape(-1) for w, r, c in zip(weights, rows, cols)])
+
+
+def scatter_slices_multi(weights, rows, cols, buffer):
+    pos = 0
+    for w, r, c in zip(weights, rows, cols):
+        blk = gather_slices(w, r, c)
+        n = blk.numel()
+        scatter_slices(w, r, c, buffer[pos:pos + n].view(blk.shape))
+        pos += n
