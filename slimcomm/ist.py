@@ -1,0 +1,1011 @@
+"""Independent subnet training (IST) for fully connected networks.
+
+IST (Yuan, Wolfe, Dun, Tang, Kyrillidis, Jermaine, "Distributed Learning of
+Fully Connected Neural Networks using Independent Subnet Training",
+arXiv 1910.02120, PVLDB 15(8) 2022) decomposes an MLP into ``world_size``
+narrow subnets of the same depth by partitioning the neurons of every hidden
+layer. Each rank trains its subnet for ``local_steps`` steps on its own data
+with no communication, then the trained slices are written back into the full
+model and a new random partition is drawn (Sec. 3 of the paper).
+
+This module provides the three pieces:
+
+* :func:`partition` draws the per-round partition of the hidden neurons, a
+  pure function of ``(hidden_sizes, world_size, seed, round)`` so that every
+  rank computes the same blocks without communicating.
+* :func:`extract_subnet` / :func:`write_back` cut rank ``r``'s subnet out of
+  the full model and put it back, with the slicing kernels
+  :func:`slimcomm.ops.gather_slices` / :func:`slimcomm.ops.scatter_slices`.
+* :class:`ISTTrainer` runs the local steps and the synchronisation round, in
+  which every rank's trained slices travel in ONE ``all_gather`` of packed
+  buffers (:func:`slimcomm.ops.gather_slices_multi` /
+  :func:`slimcomm.ops.scatter_slices_multi`).
+
+Supported models
+----------------
+An ``nn.Sequential`` of ``nn.Linear`` (at least two), the activations
+``nn.ReLU``, ``nn.GELU``, ``nn.Tanh``, ``nn.SiLU``, ``nn.LeakyReLU``,
+``nn.Dropout``, and ``nn.BatchNorm1d`` / ``nn.LayerNorm`` acting on a hidden
+layer (between two Linear layers). Inputs are ``[batch, features]``. All
+floating parameters and buffers share one dtype (fp32, fp16 or bf16) and one
+device. Module types are matched exactly (a subclass of ``nn.Linear`` may
+change the computation, so it is rejected); anything else raises a
+``TypeError`` naming the module.
+
+Slicing rules (hidden layer ``l`` = output of the ``l``-th Linear, ``b_l`` =
+rank ``r``'s block of it, ``L`` = number of hidden layers):
+
+* first Linear: ``W[b_0, :]``, ``bias[b_0]`` (all inputs);
+* hidden Linear ``l`` (``0 < l < L``): ``W[b_l, b_{l-1}]``, ``bias[b_l]``;
+* last Linear: ``W[:, b_{L-1}]`` (all outputs); its bias is *shared* by all
+  subnets and averaged over the ranks at synchronisation;
+* ``BatchNorm1d`` (weight, bias, running_mean, running_var) and ``LayerNorm``
+  (weight, bias) on hidden layer ``l``: ``[b_l]``. ``num_batches_tracked`` is
+  a per-layer counter, copied whole.
+
+Pre-activation scaling
+----------------------
+In the subnet, a neuron of hidden layer ``l > 0`` (or of the output) sums over
+only the ``|b_{l-1}| ~ n_{l-1} / world_size`` neurons of the previous layer
+that are in the rank's block, so its pre-activation is on average
+``1/world_size`` of the full model's. With ``rescale=True`` (the default) the
+subnet multiplies the input of every hidden and output Linear by
+``world_size`` (an :class:`InputScale` module in front of it), the
+inverted-dropout convention (Srivastava et al., JMLR 2014) with keep
+probability ``1/world_size``: since every neuron lands in the block with
+probability ``1/world_size``, the subnet's pre-activations are unbiased
+estimates of the full model's, and the full model is evaluated as is, with no
+rescaling. With ``rescale=False`` the subnet computes the plain partial sum;
+the full model then sums ``world_size`` such partial sums and its hidden and
+output pre-activations are about ``world_size`` times those seen in training.
+``LayerNorm`` in a subnet normalises over the neurons of the block (the subnet
+is a narrower network of its own).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import ops
+
+__all__ = [
+    "SUPPORTED_MODULES",
+    "partition",
+    "extract_subnet",
+    "write_back",
+    "InputScale",
+    "ISTStats",
+    "ISTTrainer",
+]
+
+_ACTIVATIONS = (nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU, nn.LeakyReLU)
+_STATELESS = _ACTIVATIONS + (nn.Dropout,)
+_NORMS = (nn.BatchNorm1d, nn.LayerNorm)
+SUPPORTED_MODULES = (nn.Linear,) + _STATELESS + _NORMS
+"""Module types (matched exactly) that IST can partition."""
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MASK64 = (1 << 64) - 1
+
+
+# ---------------------------------------------------------------------------
+# Partition
+# ---------------------------------------------------------------------------
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _layer_seed(seed: int, round: int, layer: int) -> int:
+    """64-bit generator seed for one (seed, round, layer), well mixed."""
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (round & _MASK64))
+    return _splitmix64(h ^ layer)
+
+
+def _check_int(value: Any, name: str, minimum: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def partition(
+    hidden_sizes: Sequence[int], world_size: int, seed: int, round: int
+) -> List[List[torch.Tensor]]:
+    """Random partition of every hidden layer's neurons into ``world_size`` blocks.
+
+    IST (arXiv 1910.02120, Sec. 3): each synchronisation round draws a fresh
+    random partition of each hidden layer's neurons, one block per worker.
+    Layer ``l``'s neurons are permuted by ``torch.randperm`` with a private
+    ``torch.Generator`` seeded from ``(seed, round, l)`` (never the global RNG),
+    and the permutation is cut into ``world_size`` consecutive chunks. The
+    result is a pure function of the arguments, identical on every process.
+
+    Args:
+        hidden_sizes: widths ``n_l`` of the hidden layers, each an int
+            ``>= world_size``.
+        world_size: number of blocks (ranks), ``>= 1``.
+        seed: shared seed (any Python int; taken modulo ``2**64``).
+        round: synchronisation round, ``>= 0``.
+
+    Returns:
+        ``blocks`` with ``blocks[l][r]`` a 1-D int64 CPU tensor: the neurons of
+        hidden layer ``l`` given to rank ``r``, sorted ascending (so slices
+        read memory in order). For each ``l`` the blocks are disjoint, cover
+        ``range(n_l)`` and have sizes ``n_l // world_size`` or one more; which
+        ranks get the larger blocks rotates with ``round``.
+
+    Raises:
+        TypeError: an argument is not an int (or ``hidden_sizes`` not a sequence).
+        ValueError: ``world_size < 1``, ``round < 0``, or a width smaller than
+            ``world_size`` (every block would need at least one neuron).
+    """
+    _check_int(world_size, "world_size", 1)
+    _check_int(seed, "seed")
+    _check_int(round, "round", 0)
+    if isinstance(hidden_sizes, (str, bytes)) or not isinstance(hidden_sizes, Sequence):
+        raise TypeError(
+            f"hidden_sizes must be a sequence of ints, got {type(hidden_sizes).__name__}"
+        )
+    for l, n in enumerate(hidden_sizes):
+        _check_int(n, f"hidden_sizes[{l}]")
+        if n < world_size:
+            raise ValueError(
+                f"hidden_sizes[{l}] = {n} is smaller than world_size = {world_size}: "
+                f"IST needs at least one neuron of every hidden layer per rank"
+            )
+    blocks: List[List[torch.Tensor]] = []
+    for l, n in enumerate(hidden_sizes):
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(_layer_seed(seed, round, l))
+        perm = torch.randperm(n, generator=gen, dtype=torch.int64)
+        base, extra = divmod(n, world_size)
+        sizes = [base + (1 if (r - round) % world_size < extra else 0) for r in range(world_size)]
+        blocks.append([torch.sort(chunk).values for chunk in torch.split(perm, sizes)])
+    return blocks
+
+
+# ---------------------------------------------------------------------------
+# Model analysis: which tensors are sliced, and how
+# ---------------------------------------------------------------------------
+
+class InputScale(nn.Module):
+    """Multiply the input by a constant: ``y = x * factor``.
+
+    :func:`extract_subnet` puts one in front of every hidden and output Linear
+    of a subnet when ``rescale=True`` (``factor = world_size``); see the module
+    docstring, "Pre-activation scaling". :func:`write_back` skips them.
+    """
+
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = float(factor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+    def extra_repr(self) -> str:
+        return f"factor={self.factor}"
+
+
+@dataclass(frozen=True)
+class _Slice:
+    module: int               # index of the module in the nn.Sequential
+    name: str                 # attribute: weight, bias, running_mean, running_var
+    row_layer: Optional[int]  # hidden layer whose block selects rows; None = all
+    col_layer: Optional[int]  # hidden layer whose block selects columns; None = all
+
+
+@dataclass
+class _Plan:
+    linears: List[int]              # module index of each Linear
+    hidden_sizes: List[int]
+    slices: List[_Slice]            # tensors sliced with the neurons
+    shared: List[Tuple[int, str]]   # tensors every subnet holds whole (averaged)
+    counters: List[int]             # BatchNorm1d modules with num_batches_tracked
+    dtype: torch.dtype
+    device: torch.device
+    descriptor: str                 # architecture description, for fingerprints
+
+
+def _describe(m: nn.Module) -> str:
+    if type(m) is nn.Linear:
+        return f"Linear({m.in_features},{m.out_features},bias={m.bias is not None})"
+    if type(m) is nn.BatchNorm1d:
+        return (f"BatchNorm1d({m.num_features},eps={m.eps!r},momentum={m.momentum!r},"
+                f"affine={m.affine},bias={m.bias is not None},track={m.track_running_stats})")
+    if type(m) is nn.LayerNorm:
+        return (f"LayerNorm({tuple(m.normalized_shape)},eps={m.eps!r},"
+                f"weight={m.weight is not None},bias={m.bias is not None})")
+    return repr(m)
+
+
+def _build_plan(model: nn.Module) -> _Plan:
+    """Validate ``model`` for IST and list the tensors to slice.
+
+    Raises TypeError (unsupported container/module, dtype) or ValueError
+    (structure: too few Linear layers, mismatched widths, a norm layer outside
+    the hidden layers, mixed dtypes/devices).
+    """
+    if type(model) is not nn.Sequential:
+        raise TypeError(
+            f"model must be an nn.Sequential of {', '.join(t.__name__ for t in SUPPORTED_MODULES)}; "
+            f"got {type(model).__name__}"
+        )
+    linears: List[int] = []
+    norms: List[Tuple[int, int]] = []   # (module index, hidden layer index)
+    for i, m in enumerate(model):
+        t = type(m)
+        if t is nn.Linear:
+            if linears:
+                prev = model[linears[-1]]
+                if m.in_features != prev.out_features:
+                    raise ValueError(
+                        f"model[{i}] (Linear) has in_features={m.in_features} but the previous "
+                        f"Linear model[{linears[-1]}] has out_features={prev.out_features}"
+                    )
+            linears.append(i)
+        elif t in _NORMS:
+            if not linears:
+                raise ValueError(
+                    f"model[{i}] ({t.__name__}) comes before the first Linear: IST partitions "
+                    f"only hidden neurons, so a norm layer must sit between two Linear layers"
+                )
+            norms.append((i, len(linears) - 1))
+        elif t not in _STATELESS:
+            raise TypeError(
+                f"unsupported module model[{i}] ({t.__name__}) for IST; supported: "
+                f"{', '.join(s.__name__ for s in SUPPORTED_MODULES)}"
+            )
+    if len(linears) < 2:
+        raise ValueError(
+            f"model has {len(linears)} Linear layer(s); IST needs at least 2 "
+            f"(at least one hidden layer to partition)"
+        )
+    n_hidden = len(linears) - 1
+    hidden_sizes = [model[i].out_features for i in linears[:-1]]
+
+    slices: List[_Slice] = []
+    for j, i in enumerate(linears):
+        rows = j if j < n_hidden else None
+        cols = j - 1 if j > 0 else None
+        slices.append(_Slice(i, "weight", rows, cols))
+        if model[i].bias is not None and j < n_hidden:
+            slices.append(_Slice(i, "bias", j, None))
+    shared: List[Tuple[int, str]] = []
+    if model[linears[-1]].bias is not None:
+        shared.append((linears[-1], "bias"))
+    counters: List[int] = []
+    for i, layer in norms:
+        m = model[i]
+        name = type(m).__name__
+        if layer >= n_hidden:
+            raise ValueError(
+                f"model[{i}] ({name}) acts on the output of the last Linear: IST partitions "
+                f"only hidden neurons, so a norm layer must sit between two Linear layers"
+            )
+        width = hidden_sizes[layer]
+        if type(m) is nn.BatchNorm1d:
+            if m.num_features != width:
+                raise ValueError(
+                    f"model[{i}] (BatchNorm1d) has num_features={m.num_features} but hidden "
+                    f"layer {layer} has {width} neurons"
+                )
+            for attr in ("weight", "bias", "running_mean", "running_var"):
+                if getattr(m, attr) is not None:
+                    slices.append(_Slice(i, attr, layer, None))
+            if m.num_batches_tracked is not None:
+                counters.append(i)
+        else:
+            if tuple(m.normalized_shape) != (width,):
+                raise ValueError(
+                    f"model[{i}] (LayerNorm) has normalized_shape={tuple(m.normalized_shape)} "
+                    f"but hidden layer {layer} has {width} neurons; only LayerNorm over the "
+                    f"feature dimension is supported"
+                )
+            for attr in ("weight", "bias"):
+                if getattr(m, attr) is not None:
+                    slices.append(_Slice(i, attr, layer, None))
+
+    dtype = model[linears[0]].weight.dtype
+    device = model[linears[0]].weight.device
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not t.is_floating_point():
+            continue
+        if t.dtype not in _DTYPES:
+            raise TypeError(
+                f"model parameter/buffer {name!r} has dtype {t.dtype}; IST supports "
+                f"float32, float16 and bfloat16"
+            )
+        if t.dtype != dtype:
+            raise ValueError(
+                f"model parameter/buffer {name!r} has dtype {t.dtype} but the first Linear "
+                f"has {dtype}; all floating tensors must share one dtype"
+            )
+        if t.device != device:
+            raise ValueError(
+                f"model parameter/buffer {name!r} is on {t.device} but the first Linear is "
+                f"on {device}; all tensors must be on one device"
+            )
+    descriptor = ";".join(_describe(m) for m in model)
+    descriptor += f"|dtype={dtype}|device={device.type}"
+    descriptor += "|grad=" + "".join("1" if p.requires_grad else "0" for p in model.parameters())
+    return _Plan(linears, hidden_sizes, slices, shared, counters, dtype, device, descriptor)
+
+
+def _check_blocks(plan: _Plan, blocks: Any, rank: Any) -> int:
+    """Validate ``blocks`` against the model and ``rank``; return world_size."""
+    if not isinstance(blocks, Sequence) or len(blocks) != len(plan.hidden_sizes):
+        n = len(blocks) if isinstance(blocks, Sequence) else type(blocks).__name__
+        raise ValueError(
+            f"blocks must hold one list per hidden layer ({len(plan.hidden_sizes)}), got {n}"
+        )
+    world_size = len(blocks[0]) if isinstance(blocks[0], Sequence) else -1
+    for l, layer in enumerate(blocks):
+        if not isinstance(layer, Sequence) or len(layer) != world_size or world_size < 1:
+            raise ValueError(
+                f"blocks[{l}] must be a list of one index tensor per rank "
+                f"(world_size = {world_size} from blocks[0])"
+            )
+        total = 0
+        for r, b in enumerate(layer):
+            if not isinstance(b, torch.Tensor) or b.dtype != torch.int64 or b.dim() != 1:
+                raise ValueError(f"blocks[{l}][{r}] must be a 1-D int64 tensor")
+            total += b.numel()
+        if total != plan.hidden_sizes[l]:
+            raise ValueError(
+                f"blocks[{l}] holds {total} indices but hidden layer {l} has "
+                f"{plan.hidden_sizes[l]} neurons"
+            )
+    _check_int(rank, "rank", 0)
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size = {world_size}, got {rank}")
+    return world_size
+
+
+def _rank_indices(
+    plan: _Plan, blocks: Sequence[Sequence[torch.Tensor]], rank: int
+) -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+    """rows/cols index tensors (on the model's device) of every sliced tensor."""
+    on_dev = [layer[rank].to(plan.device) for layer in blocks]
+    rows = [None if s.row_layer is None else on_dev[s.row_layer] for s in plan.slices]
+    cols = [None if s.col_layer is None else on_dev[s.col_layer] for s in plan.slices]
+    return rows, cols
+
+
+def _strip_scales(subnet: nn.Module, model: nn.Sequential) -> List[nn.Module]:
+    if not isinstance(subnet, nn.Sequential):
+        raise TypeError(f"subnet must be an nn.Sequential, got {type(subnet).__name__}")
+    mods = [m for m in subnet if type(m) is not InputScale]
+    if len(mods) != len(model) or any(type(a) is not type(b) for a, b in zip(mods, model)):
+        raise ValueError(
+            "subnet does not match model: expected the model's modules in order "
+            f"({', '.join(type(m).__name__ for m in model)}), possibly with InputScale "
+            f"modules, got ({', '.join(type(m).__name__ for m in subnet)})"
+        )
+    return mods
+
+
+# ---------------------------------------------------------------------------
+# Subnet extraction / write-back
+# ---------------------------------------------------------------------------
+
+def _param(src: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(value, requires_grad=src.requires_grad)
+
+
+def extract_subnet(
+    model: nn.Sequential,
+    blocks: Sequence[Sequence[torch.Tensor]],
+    rank: int,
+    *,
+    rescale: bool = True,
+) -> nn.Sequential:
+    """Rank ``rank``'s subnet of ``model`` under the partition ``blocks``.
+
+    IST (arXiv 1910.02120, Sec. 3): the subnet has the full model's depth and
+    the neurons of the rank's block in every hidden layer; see the module
+    docstring for the slicing rules and the scaling. Sliced tensors are copied
+    with :func:`slimcomm.ops.gather_slices`; the shared output bias and
+    ``num_batches_tracked`` are cloned. The subnet owns its tensors (training
+    it leaves ``model`` untouched), its modules are created without drawing
+    from any random generator, and it is in ``model``'s train/eval mode.
+
+    Args:
+        model: ``nn.Sequential`` MLP as described in the module docstring.
+        blocks: a partition as returned by :func:`partition` for the model's
+            hidden sizes: ``blocks[l][r]`` int64 ``[|b_l^r|]``, sorted ascending
+            (any order works; ascending is faster).
+        rank: which block to take, ``0 <= rank < world_size = len(blocks[0])``.
+        rescale: put an :class:`InputScale` (``world_size``) in front of every
+            hidden and output Linear (default; nothing is inserted when
+            ``world_size == 1``).
+
+    Returns:
+        ``nn.Sequential``: the model's modules in order, Linear/norm layers
+        narrowed to the block, with :class:`InputScale` modules inserted when
+        ``rescale``; parameters in the model's dtype and device, with the same
+        ``requires_grad`` flags.
+
+    Raises:
+        TypeError: unsupported container, module type or dtype (the message
+            names the module).
+        ValueError: inconsistent model structure, ``blocks`` not matching the
+            hidden sizes, ``rank`` out of range.
+        RuntimeError: from the slicing kernels (index out of range).
+    """
+    plan = _build_plan(model)
+    world_size = _check_blocks(plan, blocks, rank)
+    if not isinstance(rescale, bool):
+        raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
+    rows, cols = _rank_indices(plan, blocks, rank)
+    sliced: Dict[Tuple[int, str], torch.Tensor] = {}
+    with torch.no_grad():
+        for s, r, c in zip(plan.slices, rows, cols):
+            sliced[(s.module, s.name)] = ops.gather_slices(getattr(model[s.module], s.name), r, c)
+    width = [len(layer[rank]) for layer in blocks]
+    n_hidden = len(plan.hidden_sizes)
+    kw = dict(device="meta", dtype=plan.dtype)
+
+    out: List[nn.Module] = []
+    layer = -1
+    for i, m in enumerate(model):
+        t = type(m)
+        if t is nn.Linear:
+            layer += 1
+            in_f = m.in_features if layer == 0 else width[layer - 1]
+            out_f = m.out_features if layer == n_hidden else width[layer]
+            if layer > 0 and rescale and world_size > 1:
+                out.append(InputScale(world_size))
+            sub = nn.Linear(in_f, out_f, bias=m.bias is not None, **kw)
+            sub.weight = _param(m.weight, sliced[(i, "weight")])
+            if m.bias is not None:
+                bias = sliced.get((i, "bias"))
+                sub.bias = _param(m.bias, m.bias.detach().clone() if bias is None else bias)
+        elif t is nn.BatchNorm1d:
+            # Recent torch has BatchNorm1d(..., bias=False); pass it only when needed.
+            extra = {"bias": False} if m.affine and m.bias is None else {}
+            sub = nn.BatchNorm1d(width[layer], eps=m.eps, momentum=m.momentum, affine=m.affine,
+                                 track_running_stats=m.track_running_stats, **kw, **extra)
+            if m.weight is not None:
+                sub.weight = _param(m.weight, sliced[(i, "weight")])
+            if m.bias is not None:
+                sub.bias = _param(m.bias, sliced[(i, "bias")])
+            if m.track_running_stats:
+                sub.running_mean = sliced[(i, "running_mean")]
+                sub.running_var = sliced[(i, "running_var")]
+                sub.num_batches_tracked = m.num_batches_tracked.detach().clone()
+        elif t is nn.LayerNorm:
+            sub = nn.LayerNorm(width[layer], eps=m.eps, elementwise_affine=m.weight is not None,
+                               bias=m.bias is not None, **kw)
+            if m.weight is not None:
+                sub.weight = _param(m.weight, sliced[(i, "weight")])
+            if m.bias is not None:
+                sub.bias = _param(m.bias, sliced[(i, "bias")])
+        else:
+            sub = copy.deepcopy(m)
+        out.append(sub)
+    subnet = nn.Sequential(*out)
+    subnet.train(model.training)
+    return subnet
+
+
+def write_back(
+    model: nn.Sequential,
+    subnet: nn.Sequential,
+    blocks: Sequence[Sequence[torch.Tensor]],
+    rank: int,
+) -> None:
+    """Write rank ``rank``'s (trained) subnet back into ``model``, in place.
+
+    The inverse of :func:`extract_subnet` (IST, arXiv 1910.02120, Sec. 3):
+    every sliced tensor goes back with :func:`slimcomm.ops.scatter_slices`;
+    the output bias (shared) and ``num_batches_tracked`` are copied whole.
+    Entries of ``model`` outside the rank's slices are not touched, so
+    ``write_back(model, extract_subnet(model, blocks, r), blocks, r)`` leaves
+    ``model`` bit-identical. (:class:`ISTTrainer` averages the shared output
+    bias over the ranks instead of copying one rank's.)
+
+    Args:
+        model: the full model the subnet was extracted from.
+        subnet: as returned by :func:`extract_subnet` for the same ``blocks``
+            and ``rank`` (with or without :class:`InputScale` modules).
+        blocks, rank: as in :func:`extract_subnet`.
+
+    Raises:
+        TypeError / ValueError: as :func:`extract_subnet`, or ``subnet`` whose
+            modules or tensor shapes do not match the model and the block
+            (checked before anything is written).
+        RuntimeError: from the slicing kernels.
+    """
+    plan = _build_plan(model)
+    _check_blocks(plan, blocks, rank)
+    mods = _strip_scales(subnet, model)
+    rows, cols = _rank_indices(plan, blocks, rank)
+    pairs = []
+    for s, r, c in zip(plan.slices, rows, cols):
+        full = getattr(model[s.module], s.name)
+        part = getattr(mods[s.module], s.name, None)
+        nr = full.shape[0] if r is None else r.numel()
+        shape = (nr,) if full.dim() == 1 else (nr, full.shape[1] if c is None else c.numel())
+        if not isinstance(part, torch.Tensor) or tuple(part.shape) != shape:
+            got = None if not isinstance(part, torch.Tensor) else tuple(part.shape)
+            raise ValueError(
+                f"subnet's {type(model[s.module]).__name__} (model[{s.module}]).{s.name} has "
+                f"shape {got}, expected {shape} for rank {rank}'s block"
+            )
+        pairs.append((full, r, c, part))
+    for i, name in plan.shared:
+        part = getattr(mods[i], name, None)
+        full = getattr(model[i], name)
+        if not isinstance(part, torch.Tensor) or part.shape != full.shape:
+            raise ValueError(f"subnet's model[{i}].{name} does not have shape {tuple(full.shape)}")
+    with torch.no_grad():
+        for full, r, c, part in pairs:
+            ops.scatter_slices(full, r, c, part.detach())
+        for i, name in plan.shared:
+            getattr(model[i], name).copy_(getattr(mods[i], name))
+        for i in plan.counters:
+            model[i].num_batches_tracked.copy_(mods[i].num_batches_tracked)
+
+
+# ---------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ISTStats:
+    """Communication counters of one rank of an :class:`ISTTrainer` (bytes).
+
+    Attributes:
+        rounds: synchronisation rounds completed (collectives issued).
+        steps: local training steps taken.
+        payload_bytes: this rank's trained slices plus the shared output bias
+            (and BatchNorm running statistics), unpadded, summed over rounds.
+            Per round this is the analytic subnet size: per Linear,
+            ``n_in * n_out / world_size`` for the first and last layer and
+            ``n_in * n_out / world_size**2`` between hidden layers (exactly:
+            the product of the block sizes).
+        bytes_sent, bytes_received: this rank's traffic in the synchronisation
+            ``all_gather`` under the ring algorithm: ``(world_size - 1)`` times
+            the padded buffer (the largest rank's payload) per round, each way.
+        dense_bytes_sent, dense_bytes_received: what data-parallel training
+            with a ring all-reduce of every trainable parameter's gradient
+            (``N`` elements) would move per rank over the same ``steps``:
+            ``steps * 2 * (world_size - 1) * N * itemsize // world_size``.
+    """
+
+    rounds: int = 0
+    steps: int = 0
+    payload_bytes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense_bytes_sent: int = 0
+    dense_bytes_received: int = 0
+
+
+_FP_ERROR = -1  # fingerprint sent by a rank whose local validation failed
+
+
+class ISTTrainer:
+    """Independent subnet training of an MLP on a process group.
+
+    IST (Yuan et al., arXiv 1910.02120, Sec. 3, Algorithm 1). Each round ``t``:
+
+    1. every rank computes the same partition ``partition(hidden_sizes,
+       world_size, seed, t)`` and extracts its subnet (:func:`extract_subnet`);
+    2. it trains the subnet for ``local_steps`` calls of :meth:`step` on its
+       own data, with no communication, using a fresh optimizer from
+       ``optimizer_factory(subnet.parameters())``;
+    3. :meth:`synchronize` (called automatically after ``local_steps`` steps)
+       packs the rank's trained slices with
+       :func:`slimcomm.ops.gather_slices_multi` into one flat buffer, padded to
+       the largest rank's size (known to every rank from the shared
+       partition, so no size exchange), runs ONE ``all_gather``, and writes
+       every rank's slices into the full model with
+       :func:`slimcomm.ops.scatter_slices_multi`; the blocks are disjoint, so
+       nothing is averaged except the shared output bias (mean over ranks,
+       in rank order, fp32). Afterwards every rank holds the same full model.
+
+    Weights between neurons of different blocks are not trained in a round.
+
+    Optimizer state: the optimizer is re-created at the start of every round,
+    as in the paper's implementation. Its state (e.g. momentum) belongs to one
+    subnet's neurons, and the next round slices different neurons, so carrying
+    it over would apply momentum to the wrong weights; re-creating it is the
+    only layout-safe choice without communicating optimizer state.
+
+    Construction is a collective call on ``process_group``: every rank first
+    validates its model locally, then the ranks exchange a 63-bit fingerprint
+    of (architecture, dtype, world size, seed, local_steps, rescale) in one
+    ``all_gather`` of ``world_size`` int64, so a rank with a bad or different
+    model makes EVERY rank raise instead of hanging in a later collective.
+    Then, with ``broadcast_model=True`` (default, as DDP does), the full model
+    is broadcast from group rank 0 so all ranks start from the same weights.
+    :meth:`step` and :meth:`synchronize` are collective too: all ranks must
+    call them the same number of times.
+
+    Args:
+        model: ``nn.Sequential`` MLP (see the module docstring); the trainer
+            updates it in place at every synchronisation. Between
+            synchronisations it is stale (each rank trains only a subnet):
+            call :meth:`synchronize` before evaluating or checkpointing it.
+        optimizer_factory: ``callable(params) -> torch.optim.Optimizer``, e.g.
+            ``lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)``.
+        local_steps: steps per round, ``>= 1``.
+        process_group: ``torch.distributed`` group; ``None`` = the default
+            group if one is initialised, else a single rank with no
+            communication.
+        seed: shared partition seed (must be the same on every rank).
+        rescale: scale hidden/output Linear inputs by ``world_size`` in the
+            subnet (see "Pre-activation scaling" in the module docstring).
+        broadcast_model: broadcast rank 0's model at construction.
+
+    Raises:
+        TypeError / ValueError: bad arguments or an unsupported model (on the
+            rank that has it, after the check exchange).
+        RuntimeError: another rank failed validation, or the ranks disagree
+            on the model or settings (raised on every rank).
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+        local_steps: int = 10,
+        process_group: Optional[dist.ProcessGroup] = None,
+        seed: int = 0,
+        *,
+        rescale: bool = True,
+        broadcast_model: bool = True,
+    ):
+        if not callable(optimizer_factory):
+            raise TypeError(
+                f"optimizer_factory must be callable, got {type(optimizer_factory).__name__}"
+            )
+        if process_group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._pg = process_group
+        if self._distributed:
+            self._world_size = dist.get_world_size(process_group)
+            self._rank = dist.get_rank(process_group)
+        else:
+            self._world_size, self._rank = 1, 0
+
+        error: Optional[Exception] = None
+        fingerprint = _FP_ERROR
+        try:
+            _check_int(local_steps, "local_steps", 1)
+            _check_int(seed, "seed")
+            if not isinstance(rescale, bool):
+                raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
+            if not isinstance(broadcast_model, bool):
+                raise TypeError(
+                    f"broadcast_model must be a bool, got {type(broadcast_model).__name__}"
+                )
+            plan = _build_plan(model)
+            partition(plan.hidden_sizes, self._world_size, seed, 0)
+            text = (f"{plan.descriptor}|world_size={self._world_size}|seed={seed}"
+                    f"|local_steps={local_steps}|rescale={rescale}|broadcast={broadcast_model}")
+            digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+            fingerprint = int.from_bytes(digest, "little") >> 1   # 63 bits, >= 0
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if self._distributed:
+            self._check_agreement(fingerprint, error)
+        elif error is not None:
+            raise error
+
+        self.model = model
+        self._plan = plan
+        self._factory = optimizer_factory
+        self.local_steps = local_steps
+        self.seed = seed
+        self.rescale = rescale
+        self._itemsize = torch.empty((), dtype=plan.dtype).element_size()
+        self._dense_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._rounds = 0
+        self._steps = 0
+        self._payload_bytes = 0
+        self._wire_bytes = 0
+        self._round = 0
+        self._local_step = 0
+        if self._distributed and broadcast_model and self._world_size > 1:
+            self._broadcast_model()
+        self._begin_round()
+
+    # -- setup ---------------------------------------------------------------
+
+    def _check_agreement(self, fingerprint: int, error: Optional[Exception]) -> None:
+        mine = torch.tensor([fingerprint], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
+        dist.all_gather(everyone, mine, group=self._pg)
+        values = [int(t.item()) for t in everyone]
+        if error is not None:
+            raise error
+        failed = [r for r, v in enumerate(values) if v == _FP_ERROR]
+        if failed:
+            raise RuntimeError(
+                f"ISTTrainer: rank(s) {failed} of the process group rejected their model or "
+                f"arguments (see the error raised there); no rank can proceed"
+            )
+        if len(set(values)) > 1:
+            groups: Dict[int, List[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            raise RuntimeError(
+                "ISTTrainer: the ranks disagree on the model architecture, dtype or IST "
+                "settings (seed, local_steps, rescale, broadcast_model); ranks grouped by "
+                f"fingerprint: {sorted(groups.values())}. Build the same model with the same "
+                "arguments on every rank."
+            )
+
+    def _broadcast_model(self) -> None:
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        src = dist.get_global_rank(self._pg, 0) if self._pg is not None else 0
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                dist.broadcast(flat, src=src, group=self._pg)
+                pos = 0
+                for t in group:
+                    t.copy_(flat[pos:pos + t.numel()].view_as(t))
+                    pos += t.numel()
+
+    def _begin_round(self) -> None:
+        plan = self._plan
+        self._blocks = partition(plan.hidden_sizes, self._world_size, self.seed, self._round)
+        self._subnet = extract_subnet(self.model, self._blocks, self._rank, rescale=self.rescale)
+        optimizer = self._factory(self._subnet.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer_factory must return a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        self._optimizer = optimizer
+        # Per-rank slice indices and payload sizes, from the shared partition.
+        self._rows: List[List[Optional[torch.Tensor]]] = []
+        self._cols: List[List[Optional[torch.Tensor]]] = []
+        self._slice_numel: List[int] = []
+        for r in range(self._world_size):
+            rows, cols = _rank_indices(plan, self._blocks, r)
+            self._rows.append(rows)
+            self._cols.append(cols)
+            n = 0
+            for s, ri, ci in zip(plan.slices, rows, cols):
+                full = getattr(self.model[s.module], s.name)
+                nr = full.shape[0] if ri is None else ri.numel()
+                nc = 1 if full.dim() == 1 else (full.shape[1] if ci is None else ci.numel())
+                n += nr * nc
+            self._slice_numel.append(n)
+        self._shared_numel = sum(getattr(self.model[i], a).numel() for i, a in plan.shared)
+
+    # -- public API ----------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the process group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (= subnets per round)."""
+        return self._world_size
+
+    @property
+    def round(self) -> int:
+        """Index of the current round (partition seed component)."""
+        return self._round
+
+    @property
+    def blocks(self) -> List[List[torch.Tensor]]:
+        """The current round's partition (see :func:`partition`)."""
+        return self._blocks
+
+    @property
+    def subnet(self) -> nn.Sequential:
+        """The subnet this rank trains in the current round."""
+        return self._subnet
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The current round's optimizer (re-created every round)."""
+        return self._optimizer
+
+    def payload_numel(self, rank: int) -> int:
+        """Elements rank ``rank`` sends in the current round (slices + shared)."""
+        return self._slice_numel[rank] + self._shared_numel
+
+    @property
+    def stats(self) -> ISTStats:
+        """Communication counters so far (see :class:`ISTStats`)."""
+        w = self._world_size
+        dense = self._steps * 2 * (w - 1) * self._dense_numel * self._itemsize // w
+        return ISTStats(
+            rounds=self._rounds,
+            steps=self._steps,
+            payload_bytes=self._payload_bytes,
+            bytes_sent=self._wire_bytes,
+            bytes_received=self._wire_bytes,
+            dense_bytes_sent=dense,
+            dense_bytes_received=dense,
+        )
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: Any,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    ) -> float:
+        """One local training step of this rank's subnet; synchronises every ``local_steps``.
+
+        Computes ``loss = loss_fn(subnet(inputs), targets)``, back-propagates
+        and steps the round's optimizer. The subnet runs in the full model's
+        train/eval mode. After the ``local_steps``-th step of a round,
+        :meth:`synchronize` runs (a collective).
+
+        Args:
+            inputs: ``[batch, in_features]`` on the model's device and dtype;
+                each rank may feed its own data.
+            targets: whatever ``loss_fn`` takes as its second argument.
+            loss_fn: ``(outputs [batch, out_features], targets) -> scalar tensor``.
+
+        Returns:
+            the loss before the update, as a Python float.
+
+        Raises:
+            ValueError: ``loss_fn`` did not return a scalar tensor.
+        """
+        self._subnet.train(self.model.training)
+        self._optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(self._subnet(inputs), targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("loss_fn must return a scalar tensor")
+        loss.backward()
+        self._optimizer.step()
+        self._steps += 1
+        self._local_step += 1
+        value = float(loss.detach())
+        if self._local_step >= self.local_steps:
+            self.synchronize()
+        return value
+
+    def synchronize(self) -> None:
+        """End the round now: exchange the trained slices, then repartition.
+
+        After it returns every rank holds the same full model (ready for
+        evaluation or checkpointing) and a new subnet and optimizer for the
+        next round. A no-op when no step was taken since the last
+        synchronisation. Collective: all ranks must call it together.
+        """
+        if self._local_step == 0:
+            return
+        plan = self._plan
+        w = self._world_size
+        mods = _strip_scales(self._subnet, self.model)
+        sub_tensors = [getattr(mods[s.module], s.name).detach() for s in plan.slices]
+        sub_tensors += [getattr(mods[i], a).detach() for i, a in plan.shared]
+        full_tensors = [getattr(self.model[s.module], s.name) for s in plan.slices]
+        width = max(self.payload_numel(r) for r in range(w))
+        mine = self.payload_numel(self._rank)
+        with torch.no_grad():
+            nones = [None] * len(sub_tensors)
+            packed = ops.gather_slices_multi(sub_tensors, nones, nones)
+            if w == 1:
+                gathered = packed.unsqueeze(0)
+            else:
+                send = torch.nn.functional.pad(packed, (0, width - mine))
+                gathered = packed.new_empty((w, width))
+                dist.all_gather(list(gathered.unbind(0)), send, group=self._pg)
+            for r in range(w):
+                n = self._slice_numel[r]
+                ops.scatter_slices_multi(full_tensors, self._rows[r], self._cols[r], gathered[r, :n])
+            if plan.shared:
+                acc = gathered[0, self._slice_numel[0]:self.payload_numel(0)].float()
+                for r in range(1, w):
+                    acc = acc + gathered[r, self._slice_numel[r]:self.payload_numel(r)].float()
+                acc = (acc / w).to(plan.dtype)
+                pos = 0
+                for i, a in plan.shared:
+                    t = getattr(self.model[i], a)
+                    t.copy_(acc[pos:pos + t.numel()].view_as(t))
+                    pos += t.numel()
+            for i in plan.counters:
+                self.model[i].num_batches_tracked.copy_(mods[i].num_batches_tracked)
+        self._rounds += 1
+        self._payload_bytes += mine * self._itemsize
+        self._wire_bytes += (w - 1) * width * self._itemsize
+        self._local_step = 0
+        self._round += 1
+        self._begin_round()
+
+    # -- checkpointing -------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Trainer state: full model, round, counters and, mid-round, this rank's subnet.
+
+        Right after :meth:`synchronize` the state is the same on every rank
+        (one checkpoint serves all); mid-round it also holds this rank's
+        subnet and optimizer state, so each rank must save and load its own.
+        Tensors are references, as in ``nn.Module.state_dict``.
+        """
+        mid = self._local_step > 0
+        return {
+            "version": 1,
+            "world_size": self._world_size,
+            "seed": self.seed,
+            "local_steps": self.local_steps,
+            "rescale": self.rescale,
+            "round": self._round,
+            "local_step": self._local_step,
+            "model": self.model.state_dict(),
+            "subnet": self._subnet.state_dict() if mid else None,
+            "optimizer": self._optimizer.state_dict() if mid else None,
+            "stats": dataclasses.asdict(self.stats),
+            "payload_bytes": self._payload_bytes,
+            "wire_bytes": self._wire_bytes,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`.
+
+        A state taken at a round boundary (``local_step == 0``) may be loaded
+        with a different world size or ``local_steps``; a mid-round state needs
+        the same world size, and this rank's own state. The seed must match
+        (it defines the partitions of the rounds to come).
+
+        Raises:
+            KeyError: a missing key.
+            ValueError: ``seed`` differs, or a mid-round state with a
+                different ``world_size``/``local_steps``.
+        """
+        for key in ("version", "world_size", "seed", "local_steps", "round", "local_step",
+                    "model", "subnet", "optimizer", "stats", "payload_bytes", "wire_bytes"):
+            if key not in state:
+                raise KeyError(f"state_dict is missing {key!r}")
+        if state["version"] != 1:
+            raise ValueError(f"state_dict['version'] = {state['version']} is not supported")
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"state_dict['seed'] = {state['seed']} differs from this trainer's seed "
+                f"{self.seed}"
+            )
+        mid = state["local_step"] > 0
+        if mid and state["world_size"] != self._world_size:
+            raise ValueError(
+                f"state_dict['world_size'] = {state['world_size']} differs from "
+                f"{self._world_size}; a mid-round state can only be loaded on the same world size"
+            )
+        if mid and state["local_steps"] != self.local_steps:
+            raise ValueError(
+                f"state_dict['local_steps'] = {state['local_steps']} differs from "
+                f"{self.local_steps}; a mid-round state needs the same local_steps"
+            )
+        self.model.load_state_dict(state["model"])
+        self._round = int(state["round"])
+        self._local_step = int(state["local_step"])
+        self._rounds = int(state["stats"]["rounds"])
+        self._steps = int(state["stats"]["steps"])
+        self._payload_bytes = int(state["payload_bytes"])
+        self._wire_bytes = int(state["wire_bytes"])
+        self._begin_round()
+        if mid:
+            self._subnet.load_state_dict(state["subnet"])
+            self._optimizer.load_state_dict(state["optimizer"])
