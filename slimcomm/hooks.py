@@ -53,6 +53,7 @@ the first iteration, or a new DDP instance after a checkpoint).
 import logging
 import math
 import threading
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -414,12 +415,42 @@ class SlimDPState:
             list(key), numels, [self._names[i] for i in key],
             (self.core_ratio, self.explore_ratio), buf.device, buf.dtype, self.error_feedback,
         )
+        self._verify_layout_across_ranks(layout, bucket)
         self._move_state_into(layout)
         # Older layouts that share a parameter are stale now.
         for old_key in [k for k in self._layouts if set(k) & set(key)]:
             del self._layouts[old_key]
         self._layouts[key] = layout
         return layout
+
+    def _verify_layout_across_ranks(self, layout: _Layout, bucket: dist.GradBucket) -> None:
+        """Once per new bucket layout: check that every rank agrees on the bucket's
+        parameters, the sizes on the wire, the hyperparameters and the step (a
+        mismatch would otherwise mismatch collective sizes and hang or corrupt).
+        One all-reduce (MAX of ``[x, -x]``) of a few int64 values."""
+        hp = repr((self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
+                   self.score, self.index_mode, self.error_feedback, str(self.value_dtype),
+                   self.seed, self.check_agreement_every))
+        items = {
+            "parameter positions": zlib.crc32(repr(layout.positions).encode()),
+            "bucket size": layout.numel,
+            "core + explore sizes": sum(layout.ks) + sum(layout.ms),
+            "hyperparameters": zlib.crc32(hp.encode()),
+            "step": self.step,
+        }
+        vals = torch.tensor(list(items.values()), dtype=torch.int64)
+        if layout.device.type != "cpu":
+            vals = vals.to(layout.device)
+        both = torch.cat([vals, -vals])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=_group(self))
+        n = len(items)
+        differ = [name for i, name in enumerate(items) if int(both[i]) != -int(both[n + i])]
+        if differ:
+            raise RuntimeError(
+                f"SlimDPState differs across ranks for bucket {bucket.index()} (parameters "
+                f"{layout.names}): {', '.join(differ)}. Construct SlimDPState with the same "
+                f"arguments on every rank and load each rank's own checkpoint of the same step."
+            )
 
     def _move_state_into(self, layout: _Layout) -> None:
         """Copy each parameter's residual, G and core into ``layout``'s segments."""
@@ -560,6 +591,8 @@ class SlimDPState:
             core = None
             if layout.core is not None:
                 core = (layout.core[layout.core_offsets[s]:layout.core_offsets[s + 1]] - lo).clone()
+            elif layout.pending is not None and layout.pending[s] is not None:
+                core = layout.pending[s].clone()
             params[pos] = {
                 "name": self._names[pos],
                 "numel": hi - lo,
