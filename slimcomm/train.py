@@ -41,7 +41,10 @@ counted. Per method:
   ``n x m`` gradients plus ``4 * numel`` for tensors left uncompressed
   (PowerSGD's own ``total_numel_after_compression`` counter).
 * ``topk`` / ``slimdp``: the hook's ``state.stats`` byte counter.
-* ``ist``: the trainer's ``stats`` byte counter (bytes sent per rank).
+* ``topk``'s all-gather counts this rank's own (index, value) pairs.
+* ``ist``: per synchronisation round, the padded buffer of this rank's
+  trained slices handed to the one ``all_gather`` (``ISTStats.bytes_sent``
+  divided by ``W - 1``, its ring traffic factor).
 
 Launching
 ---------
@@ -374,7 +377,7 @@ class _Method:
             )
             if args.warmup_steps is not None:
                 kw["warmup_steps"] = args.warmup_steps
-            self.hook_state = SlimDPState(**kw)
+            self.hook_state = SlimDPState(**kw).attach(model)
             self.ddp.register_comm_hook(self.hook_state, slim_dp_hook)
         self.opt = _make_optimizer(self.ddp.parameters(), args)
 
@@ -410,8 +413,11 @@ class _Method:
             dense_steps = min(self.steps, st.start_powerSGD_iter)
             return dense_steps * self.dense_step_bytes + 4 * int(st.total_numel_after_compression)
         if m in ("topk", "slimdp"):
-            return int(_stat(self.hook_state.stats, ("bytes_sent", "bytes_sent_per_rank", "total_bytes_sent")))
-        return int(_stat(self.trainer.stats, ("bytes_sent", "bytes_sent_per_rank", "total_bytes_sent")))
+            return int(self.hook_state.stats["total"]["bytes_sent"])
+        # IST: ISTStats.bytes_sent is the ring all-gather's link traffic, (W - 1) x the padded
+        # buffer each rank hands to all_gather per round; the payload definition is that buffer.
+        st = self.trainer.stats
+        return int(st.bytes_sent) // (self.world_size - 1) if self.world_size > 1 else 0
 
     def stats(self) -> Dict[str, Any]:
         if self.name == "powersgd":
@@ -423,16 +429,6 @@ class _Method:
         if self.trainer is not None:
             return _jsonable(self.trainer.stats)
         return {}
-
-
-def _stat(stats, names):
-    obj = stats
-    for n in names:
-        if isinstance(obj, dict) and n in obj:
-            return obj[n]
-        if not isinstance(obj, dict) and hasattr(obj, n):
-            return getattr(obj, n)
-    raise KeyError(f"stats object {type(stats).__name__} has none of the byte counters {names}")
 
 
 def _jsonable(obj):
@@ -469,10 +465,17 @@ def _config_fingerprint(args, extra) -> int:
     return int.from_bytes(hashlib.sha256(s.encode()).digest()[:6], "little")
 
 
-def _agree(ok: bool, fingerprint: int, device) -> None:
-    """All ranks: exchange (failed?, fingerprint) in one all-reduce; raise if anyone failed or disagrees."""
-    t = torch.tensor([0.0 if ok else 1.0, float(fingerprint), -float(fingerprint)], dtype=torch.float64, device=device)
+def _agree(error: Optional[BaseException], fingerprint: int, device) -> None:
+    """All ranks: exchange (failed?, fingerprint) in one all-reduce; raise if anyone failed or disagrees.
+
+    A rank that failed re-raises its own ``error``; the others raise a
+    ``RuntimeError`` pointing at it.
+    """
+    t = torch.tensor([0.0 if error is None else 1.0, float(fingerprint), -float(fingerprint)],
+                     dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if error is not None:
+        raise error
     if t[0].item() > 0:
         raise RuntimeError("another rank failed during setup (data or model); see its error")
     if t[1].item() != -t[2].item():
@@ -542,9 +545,7 @@ def _train(rank, world_size, args, device, backend):
     except Exception as e:  # report to the other ranks before re-raising
         err = e
         fp = 0
-    _agree(err is None, fp, device)  # collective: every rank gets here, failed or not
-    if err is not None:
-        raise err
+    _agree(err, fp, device)  # collective: every rank gets here, failed or not
 
     method = _Method(args, model, world_size)
     steps_per_epoch = shard.numel() // args.batch_size

@@ -1,0 +1,413 @@
+#!/usr/bin/env python3
+"""Time-to-accuracy of slimcomm's methods over an emulated slow network.
+
+Each rank of a ``slimcomm.train`` job runs in its own Linux network namespace;
+the namespaces are joined by a veth pair (2 ranks) or by veth pairs to a
+bridge in a hub namespace (more ranks), and every link is rate-limited with a
+``tbf`` qdisc on both directions (``netem`` is not available on these
+kernels, so there is no added delay beyond queueing). Traffic only flows
+between the test namespaces; nothing is routed to the host or outside.
+
+For every rate and every method the job is launched with one process per rank
+(``ip netns exec <ns> python -m slimcomm.train --rank r ...``), and the
+results JSONs are collected into
+
+* ``<out-dir>/netbench_<W>ranks.md``: one markdown table per rate: time to the
+  target test accuracy, speed-up over ddp, final accuracy after equal epochs,
+  MB sent per rank, and the link throughput measured before the runs;
+* ``<out-dir>/netbench_<W>ranks.png``: test accuracy vs training wall time,
+  one panel per rate;
+* ``<out-dir>/netbench_<W>ranks/<rate>_<method>.json``: the raw results.
+
+The namespaces are deleted in a ``finally`` block that also runs on SIGINT,
+SIGTERM and SIGHUP, and the script checks that they are gone. Needs root
+(``ip netns``), ``ip`` and ``tc`` (iproute2).
+
+Example (the headline run, see bench/results/netbench_2ranks.md)::
+
+    sudo .venv/bin/python bench/netbench.py --rates 100mbit,1gbit \\
+        --methods ddp,fp16,powersgd,topk,slimdp,ist -- --epochs 2 --batch-size 128 --eval-every 25
+
+Everything after ``--`` is passed to ``slimcomm.train`` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist")
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def parse_rate(s: str) -> float:
+    """'100mbit' -> 1e8 bits/s. Raises ValueError naming the argument."""
+    m = _RATE_RE.match(s.strip().lower())
+    if not m:
+        raise ValueError(f"--rates: {s!r} is not a rate like 100mbit, 1gbit, 10gbit")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _ip(*cmd: str) -> None:
+    r = subprocess.run(list(cmd), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({r.returncode}): {r.stderr.strip()}")
+
+
+class EmulatedNetwork:
+    """Per-rank network namespaces joined by rate-limited veth links.
+
+    ``with EmulatedNetwork(world_size, rate) as net:`` creates namespaces
+    ``net.namespaces[r]`` (names carry this process id, so concurrent runs do
+    not collide), assigns rank r the address ``net.addrs[r]`` on interface
+    ``net.ifnames[r]``, and removes everything on exit.
+
+    Topology: 2 ranks -> one veth pair; more -> one veth pair per rank into a
+    bridge in a hub namespace. A ``tbf`` qdisc at ``rate`` sits on both ends
+    of every veth pair, so each rank's send and receive are both limited.
+    """
+
+    def __init__(self, world_size: int, rate: str, subnet: int = 77):
+        if world_size < 2:
+            raise ValueError(f"--world-size must be >= 2 for a network benchmark, got {world_size}")
+        if world_size > 250:
+            raise ValueError(f"--world-size {world_size} too large for one /24")
+        self.world_size = world_size
+        self.rate = rate
+        self.rate_bps = parse_rate(rate)
+        tag = f"scb{os.getpid()}"
+        self.namespaces = [f"{tag}r{r}" for r in range(world_size)]
+        self.hub = f"{tag}hub" if world_size > 2 else None
+        self.ifnames = [f"v{r}" for r in range(world_size)]
+        self.addrs = [f"10.{subnet}.0.{r + 1}" for r in range(world_size)]
+        self.created: List[str] = []
+
+    def _tbf(self, ns: str, dev: str) -> None:
+        # burst must cover at least one timer tick at this rate, else tbf under-delivers.
+        burst = max(64 * 1024, int(self.rate_bps / 8 / 250))
+        _ip("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+            "rate", self.rate, "burst", str(burst), "latency", "20ms")
+
+    def __enter__(self) -> "EmulatedNetwork":
+        try:
+            for ns in self.namespaces + ([self.hub] if self.hub else []):
+                _ip("ip", "netns", "add", ns)
+                self.created.append(ns)
+                _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.hub is None:
+                a, b = self.namespaces
+                _ip("ip", "link", "add", "v0", "netns", a, "type", "veth", "peer", "name", "v1", "netns", b)
+                for r, ns in enumerate(self.namespaces):
+                    _ip("ip", "-n", ns, "addr", "add", f"{self.addrs[r]}/24", "dev", self.ifnames[r])
+                    _ip("ip", "-n", ns, "link", "set", self.ifnames[r], "up")
+                    self._tbf(ns, self.ifnames[r])
+            else:
+                _ip("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+                _ip("ip", "-n", self.hub, "link", "set", "br0", "up")
+                for r, ns in enumerate(self.namespaces):
+                    _ip("ip", "link", "add", self.ifnames[r], "netns", ns, "type", "veth",
+                        "peer", "name", f"b{r}", "netns", self.hub)
+                    _ip("ip", "-n", self.hub, "link", "set", f"b{r}", "master", "br0")
+                    _ip("ip", "-n", self.hub, "link", "set", f"b{r}", "up")
+                    _ip("ip", "-n", ns, "addr", "add", f"{self.addrs[r]}/24", "dev", self.ifnames[r])
+                    _ip("ip", "-n", ns, "link", "set", self.ifnames[r], "up")
+                    self._tbf(ns, self.ifnames[r])
+                    self._tbf(self.hub, f"b{r}")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Delete every namespace this object created (their veth ends go with them)."""
+        for ns in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created = []
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def leftovers(self) -> List[str]:
+        """Namespaces of this object that still exist (should be [] after close())."""
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        names = {line.split()[0] for line in out.splitlines() if line.strip()}
+        return [n for n in self.namespaces + ([self.hub] if self.hub else []) if n in names]
+
+    def exec_prefix(self, rank: int) -> List[str]:
+        return ["ip", "netns", "exec", self.namespaces[rank]]
+
+    def measure_mbit(self, megabytes: float = 8.0, port: int = 29411, timeout: float = 120.0) -> float:
+        """TCP throughput from rank 1 to rank 0 through the emulated link, in Mbit/s."""
+        server = (
+            "import socket,sys\n"
+            "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"s.bind(('{self.addrs[0]}', {port})); s.listen(1); print('ready', flush=True)\n"
+            "c,_=s.accept(); n=0\n"
+            "while True:\n"
+            "    b=c.recv(1<<20)\n"
+            "    if not b: break\n"
+            "    n+=len(b)\n"
+            "c.sendall(b'done'); c.close(); print(n, flush=True)\n"
+        )
+        client = (
+            "import socket,time\n"
+            f"c=socket.create_connection(('{self.addrs[0]}', {port})); buf=b'x'*(1<<20)\n"
+            f"t=time.perf_counter()\n"
+            f"for _ in range({int(megabytes)}): c.sendall(buf)\n"
+            "c.shutdown(socket.SHUT_WR); c.recv(16); print(time.perf_counter()-t, flush=True)\n"
+        )
+        srv = subprocess.Popen(self.exec_prefix(0) + [sys.executable, "-c", server],
+                               stdout=subprocess.PIPE, text=True)
+        try:
+            if srv.stdout.readline().strip() != "ready":
+                raise RuntimeError("link throughput probe: server did not start")
+            out = subprocess.run(self.exec_prefix(1) + [sys.executable, "-c", client],
+                                 capture_output=True, text=True, timeout=timeout)
+            if out.returncode != 0:
+                raise RuntimeError(f"link throughput probe failed: {out.stderr.strip()}")
+            secs = float(out.stdout.strip())
+        finally:
+            try:
+                srv.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                srv.kill()
+                srv.wait()
+        return int(megabytes) * (1 << 20) * 8 / secs / 1e6
+
+
+def run_job(net: EmulatedNetwork, method: str, out_json: str, train_args: Sequence[str], port: int,
+            timeout: float, threads: int, log_dir: str) -> Dict:
+    """Run one slimcomm.train job with one process per rank inside the namespaces; return rank 0's JSON."""
+    procs = []
+    logs = []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    try:
+        for r in range(net.world_size):
+            e = dict(env, GLOO_SOCKET_IFNAME=net.ifnames[r])
+            cmd = net.exec_prefix(r) + [
+                sys.executable, "-m", "slimcomm.train", "--method", method,
+                "--rank", str(r), "--world-size", str(net.world_size),
+                "--master-addr", net.addrs[0], "--master-port", str(port),
+                "--threads", str(threads), "--out", out_json, "--timeout", str(timeout),
+            ] + (["--no-progress"] if r > 0 else []) + list(train_args)
+            log = open(os.path.join(log_dir, f"{os.path.basename(out_json)[:-5]}_rank{r}.log"), "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        codes = [p.poll() for p in procs]
+    finally:
+        for p in procs:  # only the processes this function started
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    if any(c != 0 for c in codes):
+        tails = []
+        for r in range(net.world_size):
+            with open(os.path.join(log_dir, f"{os.path.basename(out_json)[:-5]}_rank{r}.log")) as f:
+                tails.append(f"--- rank {r} (exit {codes[r]}) ---\n" + "".join(f.readlines()[-15:]))
+        raise RuntimeError(f"{method} at {net.rate} failed or timed out:\n" + "\n".join(tails))
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def _speedup(base: Optional[Dict], r: Dict) -> str:
+    tb = (base or {}).get("time_to_target")
+    tr = r.get("time_to_target")
+    if not tb or not tr:
+        return "-"
+    return f"{tb['train_time_s'] / tr['train_time_s']:.2f}x"
+
+
+def markdown(results: Dict[str, Dict[str, Dict]], measured: Dict[str, float], header: str) -> str:
+    """Markdown tables (one per rate) from {rate: {method: results dict}}."""
+    from tabulate import tabulate
+
+    parts = [header]
+    for rate, by_method in results.items():
+        any_r = next(iter(by_method.values()))
+        tgt = any_r["config"]["target_acc"]
+        epochs = any_r["config"]["epochs"]
+        parts.append(f"\n### {rate} per link (measured {measured[rate]:.0f} Mbit/s TCP)\n")
+        rows = []
+        base = by_method.get("ddp")
+        for m, r in by_method.items():
+            t = r.get("time_to_target")
+            done = r["completed_epochs"] == epochs and not r.get("stopped_at_target")
+            f = r["final"]
+            steps = max(1, r["steps"])
+            rows.append([
+                m,
+                f"{t['train_time_s']:.1f}" if t else "not reached",
+                f"{t['epoch']:.2f}" if t else "-",
+                _speedup(base, r),
+                f"{f['test_acc']:.4f}" if done else f"(stopped at target, epoch {r['evals'][-1]['epoch']:.2f})",
+                f"{f['bytes_sent_per_rank'] / 1e6 / steps:.3f}",
+                f"{1000 * f['train_time_s'] / steps:.0f}",
+                f"{f['train_time_s']:.1f}",
+            ])
+        parts.append(tabulate(rows, headers=["method", f"time to {tgt:g} (s)", "epoch reached",
+                                             "speed-up vs ddp", f"test acc after {epochs} epochs",
+                                             "MB/rank/step", "ms/step", "train time (s)"],
+                              tablefmt="github", disable_numparse=True))
+    return "\n".join(parts) + "\n"
+
+
+def plot(results: Dict[str, Dict[str, Dict]], out_png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
+    for ax, (rate, by_method) in zip(axes[0], results.items()):
+        tgt = None
+        for m, r in by_method.items():
+            ev = r["evals"]
+            ax.plot([e["train_time_s"] for e in ev], [e["test_acc"] for e in ev], marker="o", ms=2.5, label=m)
+            tgt = r["config"]["target_acc"]
+        if tgt is not None:
+            ax.axhline(tgt, color="gray", ls="--", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("training wall time (s, log)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{rate} per link")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args: List[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, train_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tbf rates per link")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated slimcomm.train methods")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="threads per rank (default: cores / ranks)")
+    p.add_argument("--stop-at-target", default="", metavar="RATES",
+                   help="rates at which runs stop once the target accuracy is reached (saves time; the "
+                        "accuracy trajectory does not depend on the link, so equal-epoch accuracy comes "
+                        "from the other rates)")
+    p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
+    p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--name", default=None, help="output base name (default netbench_<W>ranks)")
+    a = p.parse_args(argv)
+    rates = [r.strip() for r in a.rates.split(",") if r.strip()]
+    for r in rates:
+        parse_rate(r)
+    stop_rates = {r.strip() for r in a.stop_at_target.split(",") if r.strip()}
+    if stop_rates - set(rates):
+        p.error(f"--stop-at-target {sorted(stop_rates - set(rates))} not in --rates")
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+    if os.geteuid() != 0:
+        p.error("network namespaces need root")
+    for forbidden in ("--rank", "--world-size", "--master-addr", "--master-port", "--method", "--compare", "--out"):
+        if forbidden in train_args:
+            p.error(f"{forbidden} is set by netbench; do not pass it after --")
+    threads = a.threads or max(1, (os.cpu_count() or 1) // a.world_size)
+    name = a.name or f"netbench_{a.world_size}ranks"
+    json_dir = os.path.join(a.out_dir, name)
+    os.makedirs(json_dir, exist_ok=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_exit)
+
+    results: Dict[str, Dict[str, Dict]] = {}
+    measured: Dict[str, float] = {}
+    for rate in rates:
+        net = EmulatedNetwork(a.world_size, rate)
+        try:
+            with net:
+                measured[rate] = net.measure_mbit(megabytes=max(4, min(64, net.rate_bps / 8e6 * 3)))
+                print(f"[netbench] {rate}: {a.world_size} namespaces up, measured {measured[rate]:.0f} Mbit/s",
+                      flush=True)
+                results[rate] = {}
+                for m in methods:
+                    extra = list(train_args) + (["--stop-at-target"] if rate in stop_rates else [])
+                    t0 = time.perf_counter()
+                    r = run_job(net, m, os.path.join(json_dir, f"{rate}_{m}.json"), extra, a.port,
+                                a.timeout, threads, json_dir)
+                    results[rate][m] = r
+                    t = r.get("time_to_target")
+                    print(f"[netbench] {rate} {m}: acc {r['final']['test_acc']:.4f}, "
+                          f"time to {r['config']['target_acc']:g}: "
+                          f"{'%.1f s' % t['train_time_s'] if t else 'not reached'}, "
+                          f"{r['final']['bytes_sent_per_rank'] / 1e6:.1f} MB/rank, job {time.perf_counter() - t0:.0f} s",
+                          flush=True)
+        finally:
+            left = net.leftovers()
+            if left:
+                print(f"[netbench] WARNING: namespaces left behind: {left}", file=sys.stderr)
+    any_r = next(iter(next(iter(results.values())).values()))
+    cfg = any_r["config"]
+    header = (
+        f"## slimcomm netbench: {a.world_size} ranks, one network namespace each, tbf-limited veth links\n\n"
+        f"Data {any_r['dataset']['name']} ({any_r['dataset']['train_samples_per_rank']} training samples per rank), "
+        f"MLP hidden {cfg['hidden']} ({any_r['model']['num_params']:,} parameters), SGD lr {cfg['lr']} "
+        f"momentum {cfg['momentum']}, batch {cfg['batch_size']} per rank, {cfg['epochs']} epochs, "
+        f"evaluation every {cfg['eval_every'] or 'epoch'} steps, {threads} thread(s) per rank, seed {cfg['seed']}.\n"
+        f"Time = training wall time (evaluation excluded). MB = {any_r['bytes_definition']}.\n"
+        f"slimdp/topk: core {cfg['core_ratio']}, explore {cfg['explore_ratio']}, refresh {cfg['core_refresh']}; "
+        f"powersgd rank {cfg['powersgd_rank']}, start iter {cfg['powersgd_start_iter']}; ist local steps {cfg['local_steps']}.\n"
+        f"Command: `bench/netbench.py {' '.join(argv)} -- {' '.join(train_args)}`\n"
+    )
+    if stop_rates:
+        header += (f"At {', '.join(sorted(stop_rates))} runs stop at the target accuracy; test accuracy after "
+                   "equal epochs is reported at the other rate(s) (same seed, same arithmetic, so the same trajectory).\n")
+    md = markdown(results, measured, header)
+    md_path = os.path.join(a.out_dir, f"{name}.md")
+    png_path = os.path.join(a.out_dir, f"{name}.png")
+    with open(md_path, "w") as f:
+        f.write(md)
+    plot(results, png_path)
+    print(md)
+    print(f"[netbench] wrote {md_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

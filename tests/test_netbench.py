@@ -1,0 +1,91 @@
+"""bench/netbench.py: a 2-rank job through a rate-limited veth link between network namespaces.
+
+Skipped unless running as root on a kernel/container where ``ip netns add``
+works (network namespaces need CAP_SYS_ADMIN).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+
+def _netns_usable():
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    name = f"sctest{uuid.uuid4().hex[:8]}"
+    r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return None
+
+
+_reason = _netns_usable()
+pytestmark = pytest.mark.skipif(_reason is not None, reason=f"network namespaces unavailable: {_reason}")
+
+
+def _netns_names():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {ln.split()[0] for ln in out.splitlines() if ln.strip()}
+
+
+def test_emulated_link_rate_and_cleanup():
+    import netbench
+
+    before = _netns_names()
+    net = netbench.EmulatedNetwork(2, "40mbit", subnet=78)
+    with net:
+        assert set(net.namespaces) <= _netns_names()
+        mbit = net.measure_mbit(megabytes=4, port=29417)
+        # tbf caps the link: well under loopback speed, close to the configured rate
+        assert 20 < mbit < 46, mbit
+    assert net.leftovers() == []
+    assert _netns_names() == before
+
+
+def test_cleanup_after_setup_error():
+    import netbench
+
+    before = _netns_names()
+    net = netbench.EmulatedNetwork(3, "10mbit", subnet=79)
+    net.rate = "bogus"  # tc rejects it after the namespaces exist
+    with pytest.raises(RuntimeError, match="tbf"):
+        with net:
+            pass
+    assert net.leftovers() == [] and _netns_names() == before
+
+
+def test_netbench_tiny_job(tmp_path):
+    """ddp and fp16 through a 30 Mbit/s link: JSONs, markdown table, PNG, no namespaces left."""
+    before = _netns_names()
+    out = tmp_path / "res"
+    r = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "netbench.py"), "--rates", "30mbit",
+         "--methods", "ddp,fp16", "--out-dir", str(out), "--name", "tiny", "--timeout", "180",
+         "--port", "29561", "--",
+         "--dataset", "digits", "--hidden", "512,512", "--epochs", "1", "--batch-size", "32",
+         "--eval-every", "10", "--target-acc", "0.5"],
+        capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert _netns_names() == before
+    md = (out / "tiny.md").read_text()
+    assert "### 30mbit per link" in md and "| ddp" in md and "| fp16" in md
+    assert (out / "tiny.png").read_bytes()[:4] == b"\x89PNG"
+    ddp = json.loads((out / "tiny" / "30mbit_ddp.json").read_text())
+    fp16 = json.loads((out / "tiny" / "30mbit_fp16.json").read_text())
+    assert ddp["final"]["test_acc"] > 0.5 and fp16["final"]["test_acc"] > 0.5
+    # the link is the bottleneck: ddp sends twice fp16's bytes and takes clearly longer per step
+    assert ddp["final"]["bytes_sent_per_rank"] == 2 * fp16["final"]["bytes_sent_per_rank"]
+    mb_per_step = ddp["dense_bytes_per_step"] / 1e6
+    assert ddp["final"]["train_time_s"] / ddp["steps"] > 0.7 * mb_per_step * 8 / 30
+    assert ddp["final"]["train_time_s"] > 1.3 * fp16["final"]["train_time_s"]
