@@ -197,11 +197,10 @@ def test_scatter_slices_multi_buffer_dtype():
         assert torch.equal(w, b)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a build without CUDA kernels")
-def test_cuda_tensor_on_cpu_only_build_says_so():
-    # Without a GPU we cannot create CUDA tensors; the registration is checked
-    # through the dispatcher instead: a CUDA kernel must be registered for every op.
-    import slimcomm.info  # noqa: F401  (the module exists and imports)
+def test_every_op_has_a_cuda_kernel_registered():
+    # Real kernels on a CUDA build, the "this build has no CUDA kernels" error
+    # kernel otherwise; either way a CUDA tensor never falls through to a
+    # confusing dispatcher error. (Calling it needs a GPU: tests/test_ops_cuda.py.)
     for name in ("significance_topk", "significance_topk_segmented", "explore_sample",
                  "explore_sample_segmented", "pack", "unpack", "gather_slices",
                  "scatter_slices", "gather_slices_multi", "scatter_slices_multi"):
