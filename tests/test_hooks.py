@@ -172,7 +172,7 @@ class _Sim:
                 if since % c["core_refresh"] == 0:
                     self.core[i] = ref.significance_topk(w, self.G[i], k, c.get("score", "product"))[0]
                 core = self.core[i]
-                ex = ref.explore_sample(n, core, m, c["seed"], explore_rng_offset(t, i))
+                ex = ref.explore_sample(n, core, m, c["seed"], (t << 32) + i)
                 idx = torch.cat([core, ex])
                 vals = self._sum([(a[idx] / ws).to(self.wire) for a in acc]).to(self.wire)
                 o = torch.zeros(n, dtype=self.dtype)
@@ -180,16 +180,18 @@ class _Sim:
                 self.G[i][idx] = vals.float()
                 for r in range(ws):
                     acc[r][idx] = 0
-                    self.res[r][i] = acc[r]
+                    if c.get("error_feedback", True):
+                        self.res[r][i] = acc[r]
             else:
                 o32 = torch.zeros(n)
                 for r in range(ws):
                     core = ref.significance_topk(w, acc[r], k, c.get("score", "product"))[0]
-                    ex = ref.explore_sample(n, core, m, c["seed"], explore_rng_offset(t, i))
+                    ex = ref.explore_sample(n, core, m, c["seed"], (t << 32) + i)
                     idx = torch.cat([core, ex])
                     o32[idx] += (acc[r][idx] / ws).to(self.wire).float()
                     acc[r][idx] = 0
-                    self.res[r][i] = acc[r]
+                    if c.get("error_feedback", True):
+                        self.res[r][i] = acc[r]
                 o = o32.to(self.dtype)
             out.append(o.view_as(p))
         for p, o in zip(self.params, out):
@@ -230,6 +232,10 @@ def _two_rank_cases(rank, world_size):
                                   ddp_kw=dict(bucket_cap_mb=0.001)))
     r["local"] = strip(train_ddp(rank, STEPS, dict(index_mode="local")))
     r["no_sync"] = strip(train_ddp(rank, 6, micro=3))
+    r["no_ef"] = strip(train_ddp(rank, 6, dict(error_feedback=False)))
+    r["score_grad"] = strip(train_ddp(rank, 6, dict(score="grad")))
+    r["local_weight"] = strip(train_ddp(rank, 6, dict(index_mode="local", score="weight",
+                                                     explore_ratio=0.0)))
     # Layout invariance: one run per DDP configuration, same algorithm.
     for name, kw in {
         "cap_small": dict(bucket_cap_mb=0.0005),
@@ -460,6 +466,8 @@ def test_selection_sizes(numel, cr, er, expected):
 
 
 def test_explore_rng_offset_distinct_per_step_and_position():
+    assert explore_rng_offset(0, 0) == 0
+    assert explore_rng_offset(3, 5) == 3 * 2**32 + 5  # the documented formula
     offs = {explore_rng_offset(t, p) for t in range(50) for p in range(300)}
     assert len(offs) == 50 * 300
 
@@ -560,6 +568,19 @@ def test_local_mode_matches_simulation(two):
     sim = simulate(2, STEPS, dict(index_mode="local"))
     for rank in range(2):
         assert_grads_match(two[rank]["local"]["grads"], sim, exact=True)
+
+
+@pytest.mark.parametrize("case,cfg", [
+    ("no_ef", dict(error_feedback=False)),
+    ("score_grad", dict(score="grad")),
+    ("local_weight", dict(index_mode="local", score="weight", explore_ratio=0.0)),
+])
+def test_options_match_simulation(two, case, cfg):
+    sim = simulate(2, 6, cfg)
+    for rank in range(2):
+        assert_grads_match(two[rank][case]["grads"], sim, exact=True)
+    if case == "no_ef":
+        assert all(p["residual"] is None for p in two[0][case]["state"]["params"].values())
 
 
 def test_three_ranks_match_simulation(three):
