@@ -349,9 +349,7 @@ class SlimDPState:
         """
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-        module = getattr(model, "module", model)
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            module = model.module
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         named = list(module.named_parameters())
         names = [n for n, _ in named]
         numels = [p.numel() for _, p in named]

@@ -14,7 +14,6 @@ summation order differs and the comparison uses a tolerance.
 
 import copy
 import io
-import math
 import pickle
 
 import pytest
