@@ -1,0 +1,220 @@
+// Helpers shared by the slimcomm CUDA kernels: launch configuration, scratch
+// memory, batched index-range validation, the score rank key, and the two
+// block-level building blocks of exact deterministic selection:
+//
+//   block_select_threshold  radix select (8-bit digits, shared-memory
+//                           histograms) of the m-th smallest key among the
+//                           valid items of a range, returning the key T and
+//                           how many items equal to T belong to the m smallest
+//                           ("need");
+//   block_emit_ordered      one ordered pass that emits, in index order, every
+//                           valid item with key < T and the first `need` items
+//                           with key == T (ties go to the lowest index).
+//
+// Together they select the m smallest (key, index) pairs exactly, with no
+// order-dependent atomics: shared-memory atomics only count, and output
+// positions come from block-wide prefix sums in index order.
+#pragma once
+
+#include "common.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cub/cub.cuh>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace slimcomm {
+namespace cuda {
+
+inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream(); }
+
+inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+// Blocks for a grid-stride loop over `items` work items of `per_block` each.
+inline unsigned int grid_for(int64_t items, int64_t per_block, int blocks_per_sm = 8) {
+  const int64_t want = (items + per_block - 1) / per_block;
+  const int64_t cap = static_cast<int64_t>(num_sms()) * blocks_per_sm;
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min(want, cap)));
+}
+
+// Stream-ordered scratch memory from the caching allocator.
+inline at::Tensor scratch_bytes(int64_t bytes, const at::Device& dev) {
+  return at::empty({std::max<int64_t>(bytes, 1)},
+                   at::TensorOptions().dtype(at::kByte).device(dev));
+}
+
+// One index tensor to range-check: every entry must lie in [0, size).
+struct RangeCheck {
+  std::string arg;
+  at::Tensor idx;  // 1-D int64 on the device
+  int64_t size;
+};
+
+// Range-checks several device index tensors with one device reduction each
+// and ONE device-to-host copy of all (min, max) pairs. Host synchronisation is
+// unavoidable here: the error must be raised before anything is written, and
+// the data lives on the device. Messages are those of check_index_range_cpu.
+inline void check_index_ranges_cuda(const char* op, const std::vector<RangeCheck>& checks) {
+  std::vector<at::Tensor> parts;
+  for (const auto& c : checks) {
+    if (c.idx.numel() == 0) continue;
+    auto mm = at::aminmax(c.idx);
+    parts.push_back(std::get<0>(mm).reshape({1}));
+    parts.push_back(std::get<1>(mm).reshape({1}));
+  }
+  if (parts.empty()) return;
+  const at::Tensor host = at::cat(parts).cpu();  // host sync (see above)
+  int64_t j = 0;
+  for (const auto& c : checks) {
+    if (c.idx.numel() == 0) continue;
+    check_index_range_cpu(op, c.arg.c_str(), host.slice(0, 2 * j, 2 * j + 2).contiguous(), c.size);
+    ++j;
+  }
+}
+
+// Copies a small host vector to the device through pinned memory (the caching
+// host allocator keeps the pinned block alive until the copy has run).
+inline at::Tensor to_device_i64(const std::vector<int64_t>& v, const at::Device& dev) {
+  at::Tensor h = at::empty({static_cast<int64_t>(v.size())},
+                           at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(v.begin(), v.end(), h.data_ptr<int64_t>());
+  return h.to(dev, /*non_blocking=*/true);
+}
+
+// ---------------------------------------------------------------------------
+// Score rank key: the order of significance_topk as an ascending 32-bit key.
+// score_key's order (larger score first, NaN above +inf) inverted, so that
+// "best" is the smallest key and every selection is "the m smallest (key,
+// index)". |x| uses fabsf so that -0.0 scores like +0.0, as on the CPU.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t rank_key(float w, float g, int mode) {
+  float s;
+  if (mode == static_cast<int>(ScoreMode::kGrad)) s = fabsf(g);
+  else if (mode == static_cast<int>(ScoreMode::kWeight)) s = fabsf(w);
+  else s = fabsf(w) * fabsf(g);
+  const uint32_t b = __float_as_uint(s);
+  return b > 0x7F800000u ? 0u : ~b;  // NaN (any payload) ranks above +inf
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t rank_key_at(const T* w, const T* g, int64_t i, int mode) {
+  const float fw = mode == static_cast<int>(ScoreMode::kGrad) ? 0.f : static_cast<float>(w[i]);
+  const float fg = mode == static_cast<int>(ScoreMode::kWeight) ? 0.f : static_cast<float>(g[i]);
+  return rank_key(fw, fg, mode);
+}
+
+// Is v in the ascending array a[0, n)?
+__device__ __forceinline__ bool sorted_contains(const int64_t* a, int64_t n, int64_t v) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (a[mid] < v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < n && a[lo] == v;
+}
+
+// Number of entries of the ascending array a[0, n) that are < v.
+__device__ __forceinline__ int64_t count_below(const int64_t* a, int64_t n, int64_t v) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (a[mid] < v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// ---------------------------------------------------------------------------
+// Block-level exact selection.
+// ---------------------------------------------------------------------------
+template <typename KeyT>
+struct SelectShared {
+  unsigned int hist[256];
+  KeyT prefix;
+  long long remaining;
+};
+
+// Radix select over the items [0, len) of a range, for one thread block.
+// kf(i, key) returns whether item i takes part and sets its key. Requires
+// 1 <= m <= number of valid items. On return (in every thread):
+//   T    = the m-th smallest key among the valid items,
+//   need = m - #(valid items with key < T), 1 <= need <= #(key == T).
+// Must be called by all threads of the block.
+template <typename KeyT, int BLOCK, typename KeyFn>
+__device__ void block_select_threshold(const KeyFn& kf, int64_t len, int64_t m,
+                                       SelectShared<KeyT>& sh, KeyT& T, int64_t& need) {
+  constexpr int kBits = static_cast<int>(sizeof(KeyT) * 8);
+  if (threadIdx.x == 0) {
+    sh.prefix = KeyT(0);
+    sh.remaining = m;
+  }
+  for (int d = kBits - 8; d >= 0; d -= 8) {
+    for (int b = threadIdx.x; b < 256; b += BLOCK) sh.hist[b] = 0u;
+    __syncthreads();
+    const KeyT prefix = sh.prefix;
+    const KeyT hi_mask = (d + 8 >= kBits) ? KeyT(0) : static_cast<KeyT>(~KeyT(0) << (d + 8));
+    for (int64_t i = threadIdx.x; i < len; i += BLOCK) {
+      KeyT key = KeyT(0);
+      if (kf(i, key) && (key & hi_mask) == prefix)
+        atomicAdd(&sh.hist[static_cast<unsigned int>(key >> d) & 0xFFu], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const long long rem = sh.remaining;
+      long long below = 0;
+      int b = 0;
+      for (; b < 255; ++b) {
+        if (below + sh.hist[b] >= rem) break;
+        below += sh.hist[b];
+      }
+      sh.prefix = static_cast<KeyT>(prefix | (static_cast<KeyT>(b) << d));
+      sh.remaining = rem - below;
+    }
+    __syncthreads();
+  }
+  T = sh.prefix;
+  need = sh.remaining;
+  __syncthreads();  // sh may be reused by the caller
+}
+
+// One ordered pass over items [begin, end): emits, in index order, every valid
+// item with key < T and each valid item with key == T while fewer than `need`
+// such items came before it (counting from eq_before, the number of key == T
+// items before `begin`). emit(pos, i) receives the output position, starting
+// at out_before. Stops early once out_end positions are filled. All threads
+// of the block must call it; `scan` is the block's BlockScan storage.
+template <typename KeyT, int BLOCK, typename KeyFn, typename EmitFn>
+__device__ void block_emit_ordered(const KeyFn& kf, int64_t begin, int64_t end, KeyT T,
+                                   int64_t need, int64_t eq_before, int64_t out_before,
+                                   int64_t out_end, EmitFn&& emit,
+                                   typename cub::BlockScan<int, BLOCK>::TempStorage& scan) {
+  using Scan = cub::BlockScan<int, BLOCK>;
+  int64_t eq_run = eq_before, out_run = out_before;
+  for (int64_t base = begin; base < end && out_run < out_end; base += BLOCK) {
+    const int64_t i = base + threadIdx.x;
+    KeyT key = KeyT(0);
+    const bool valid = i < end && kf(i, key);
+    const int lt = valid && key < T;
+    const int eq = valid && key == T;
+    int eq_rank, eq_total;
+    Scan(scan).ExclusiveSum(eq, eq_rank, eq_total);
+    __syncthreads();
+    const int sel = lt || (eq && eq_run + eq_rank < need);
+    int sel_rank, sel_total;
+    Scan(scan).ExclusiveSum(sel, sel_rank, sel_total);
+    __syncthreads();
+    if (sel) emit(out_run + sel_rank, i);
+    eq_run += eq_total;
+    out_run += sel_total;
+  }
+}
+
+}  // namespace cuda
+}  // namespace slimcomm
