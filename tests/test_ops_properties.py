@@ -249,3 +249,63 @@ def test_explore_sample_ignores_global_rng_state():
     np.random.seed(7)
     b = ops.explore_sample(BIG, ex, 5000, 42, 3)
     assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# Segmented forms: any layout, each segment equal to the single op on it.
+# ---------------------------------------------------------------------------
+
+@st.composite
+def segment_layout(draw):
+    lengths = draw(st.lists(st.one_of(st.just(0), st.just(1), st.integers(2, 300),
+                                      st.integers(16_385, 20_000)), min_size=0, max_size=8))
+    start = draw(st.integers(0, 3))
+    offsets = [start]
+    for ln in lengths:
+        offsets.append(offsets[-1] + ln)
+    total = offsets[-1] + draw(st.integers(0, 3))
+    counts = [draw(st.integers(0, ln)) for ln in lengths]
+    return offsets, total, counts, draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(segment_layout(), dtypes, st.sampled_from(["product", "grad", "weight"]),
+       st.sampled_from(["random", "ties", "nonfinite"]))
+def test_significance_topk_segmented_any_layout(layout, dtype, score, pattern):
+    offsets, total, ks, seed = layout
+    w, g = make_pair(total, dtype, pattern, seed=seed % 1000)
+    idx, val = ops.significance_topk_segmented(w, g, offsets, ks, score)
+    pos = 0
+    for s, k in enumerate(ks):
+        lo, hi = offsets[s], offsets[s + 1]
+        si, sv = ops.significance_topk(w[lo:hi], g[lo:hi], k, score)
+        assert torch.equal(idx[pos:pos + k], si + lo)
+        assert_bit_equal(val[pos:pos + k], sv)
+        pos += k
+    assert pos == idx.numel()
+    ridx, _ = ref.significance_topk_segmented(w, g, offsets, ks, score)
+    assert torch.equal(idx, ridx)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(segment_layout(), st.integers(-(2**63), 2**63 - 1))
+def test_explore_sample_segmented_any_layout(layout, seed):
+    offsets, _, counts, rseed = layout
+    rng = np.random.default_rng(rseed)
+    parts, ex_off, ms, rng_offsets = [], [0], [], []
+    for s in range(len(offsets) - 1):
+        n_s = offsets[s + 1] - offsets[s]
+        e = np.sort(rng.choice(n_s, size=int(rng.integers(0, n_s + 1)), replace=False)) if n_s else np.empty(0)
+        parts.append(torch.from_numpy(e.astype(np.int64)) + offsets[s])
+        ex_off.append(ex_off[-1] + len(e))
+        ms.append(min(counts[s], n_s - len(e)))
+        rng_offsets.append(int(rng.integers(-(2**62), 2**62)))
+    ex = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    out = ops.explore_sample_segmented(offsets, ex, ex_off, ms, seed, rng_offsets)
+    pos = 0
+    for s, m in enumerate(ms):
+        lo, hi = offsets[s], offsets[s + 1]
+        single = ops.explore_sample(hi - lo, ex[ex_off[s]:ex_off[s + 1]] - lo, m, seed, rng_offsets[s])
+        assert torch.equal(out[pos:pos + m], single + lo)
+        pos += m
+    assert pos == out.numel()
