@@ -48,11 +48,12 @@ MAX_ACC_GAP = 0.015
 def ist_payload_numel(features: int, hidden: Sequence[int], classes: int, world: int) -> int:
     """Elements one rank sends per IST round (even blocks), from the slicing rules."""
     if any(h % world for h in hidden):
-        raise ValueError(f"--hidden {list(hidden)}: the closed form needs widths divisible by {world}")
+        raise ValueError(
+            f"--hidden {list(hidden)}: the closed form needs widths divisible by {world}")
     n = features * hidden[0] // world + hidden[0] // world          # first Linear rows + bias
     for a, b in zip(hidden, hidden[1:]):
         n += a * b // (world * world) + b // world                 # hidden-to-hidden block + bias
-    n += hidden[-1] * classes // world + classes                    # last Linear columns + shared bias
+    n += hidden[-1] * classes // world + classes   # last Linear columns + shared bias
     return n
 
 
@@ -63,7 +64,8 @@ def summarise(ddp: Dict[str, Any], ist: Dict[str, Any]) -> str:
             raise ValueError(f"runs differ in {key}: ddp {ddp[key]} vs ist {ist[key]}")
     for key in ("hidden", "epochs", "batch_size", "lr", "momentum", "seed"):
         if ddp["config"][key] != ist["config"][key]:
-            raise ValueError(f"runs differ in --{key}: {ddp['config'][key]} vs {ist['config'][key]}")
+            raise ValueError(
+                f"runs differ in --{key}: {ddp['config'][key]} vs {ist['config'][key]}")
     world, steps = ist["world_size"], ist["steps"]
     local_steps = ist["config"]["local_steps"]
     hidden = ist["model"]["hidden"]

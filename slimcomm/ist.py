@@ -58,6 +58,10 @@ estimates of the full model's, and the full model is evaluated as is, with no
 rescaling. With ``rescale=False`` the subnet computes the plain partial sum;
 the full model then sums ``world_size`` such partial sums and its hidden and
 output pre-activations are about ``world_size`` times those seen in training.
+For a bias-light ReLU network this barely changes the arg-max (ReLU is
+positively homogeneous), so accuracy alone hides it, but the logits, and hence
+the loss and any Tanh/GELU/norm layer downstream, are off by up to
+``world_size ** depth``.
 ``LayerNorm`` in a subnet normalises over the neurons of the block (the subnet
 is a narrower network of its own).
 """
@@ -242,7 +246,8 @@ def _build_plan(model: nn.Module) -> _Plan:
     """
     if type(model) is not nn.Sequential:
         raise TypeError(
-            f"model must be an nn.Sequential of {', '.join(t.__name__ for t in SUPPORTED_MODULES)}; "
+            "model must be an nn.Sequential of "
+            f"{', '.join(t.__name__ for t in SUPPORTED_MODULES)}; "
             f"got {type(model).__name__}"
         )
     linears: List[int] = []
@@ -916,7 +921,8 @@ class ISTTrainer:
                 dist.all_gather(list(gathered.unbind(0)), send, group=self._pg)
             for r in range(w):
                 n = self._slice_numel[r]
-                ops.scatter_slices_multi(full_tensors, self._rows[r], self._cols[r], gathered[r, :n])
+                ops.scatter_slices_multi(
+                    full_tensors, self._rows[r], self._cols[r], gathered[r, :n])
             if plan.shared:
                 acc = gathered[0, self._slice_numel[0]:self.payload_numel(0)].float()
                 for r in range(1, w):
