@@ -473,10 +473,27 @@ bool topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t rank, in
   return true;
 }
 
-// Top-k of one large segment w[0, n), 0 < k < n; outputs at out_idx/out_val.
+// k == n: every index, in order.
+template <typename T>
+__global__ void topk_all_kernel(const T* __restrict__ g, int64_t n, int64_t lo,
+                                int64_t* __restrict__ out_idx, T* __restrict__ out_val) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kBlock) {
+    out_idx[i] = lo + i;
+    out_val[i] = g[i];
+  }
+}
+
+// Top-k of one large segment w[0, n), 0 < k <= n; outputs at out_idx/out_val.
 template <typename T>
 void topk_large(const T* w, const T* g, int64_t n, int64_t k, int mode, int64_t lo,
                 int64_t* out_idx, T* out_val, const at::Device& dev) {
+  if (k == n) {
+    topk_all_kernel<T><<<grid_for(n, kBlock), kBlock, 0, current_stream()>>>(g, n, lo, out_idx,
+                                                                             out_val);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (n < kIdx32) {
     const double r = static_cast<double>(k) * kSample / static_cast<double>(n);
     const int64_t rank = static_cast<int64_t>(r + 6.0 * std::sqrt(r) + 32.0);
@@ -515,7 +532,7 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_segmented_cuda(
   for (int64_t s = 0; s < S; ++s) {
     if (ks[s] == 0) continue;
     const int64_t len = offsets[s + 1] - offsets[s];
-    if (len <= kTopkBlockSeg || ks[s] == len) {
+    if (len <= kTopkBlockSeg) {
       small.insert(small.end(), {offsets[s], len, ks[s], out_off[s]});
     } else {
       large.push_back(s);
