@@ -338,6 +338,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"),
                    help="directory for the .md/.json results ('' to skip writing)")
+    p.add_argument("--tag", default="", help="suffix of the result file names (e.g. '1thread')")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -382,7 +383,8 @@ def main(argv=None) -> int:
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"{device.type}-kernels-{info['date']}")
+        stem = os.path.join(args.out, f"{device.type}-kernels-{info['date']}"
+                            + (f"-{args.tag}" if args.tag else ""))
         meta = dict(info, loadavg_end=list(os.getloadavg()), dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
                     command=" ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])))
         with open(stem + ".json", "w") as f:
