@@ -71,13 +71,20 @@ int64_t num_chunks(int64_t n) {
   return std::min<int64_t>(by_size, std::max<int64_t>(1, at::get_num_threads()));
 }
 
-// Keeps the k first (topk_before) of `cand`, writes their indices ascending (+ base).
-void finish_candidates(std::vector<Cand>& cand, int64_t k, int64_t base, int64_t* out) {
-  if (k < static_cast<int64_t>(cand.size()))
-    std::nth_element(cand.begin(), cand.begin() + k, cand.end(), topk_before);
-  for (int64_t i = 0; i < k; ++i) out[i] = cand[i].idx;
-  std::sort(out, out + k);
-  for (int64_t i = 0; i < k; ++i) out[i] += base;
+// Keeps the k first (topk_before) of `cand`, which is in ascending index
+// order, and writes their indices ascending (+ base): find the k-th largest
+// key, then keep every larger key and the lowest-index ties of it.
+void finish_candidates(const std::vector<Cand>& cand, int64_t k, int64_t base, int64_t* out) {
+  std::vector<uint32_t> keys(cand.size());
+  for (size_t i = 0; i < cand.size(); ++i) keys[i] = cand[i].key;
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t kth = keys[k - 1];
+  int64_t greater = 0;
+  for (const auto& c : cand) greater += c.key > kth;
+  int64_t ties = k - greater, o = 0;
+  for (const auto& c : cand) {
+    if (c.key > kth || (c.key == kth && ties-- > 0)) out[o++] = base + c.idx;
+  }
 }
 
 // Exact selection with a 16-bit histogram pass and a compaction pass; used
@@ -308,6 +315,18 @@ void keys_below_scalar(int64_t lo, int64_t hi, uint64_t seed, uint64_t offset, u
   }
 }
 
+// Appends the hits of one block in ascending index order: lane l covers the
+// pair (i + 2l, i + 2l + 1); bit l of me / mo marks a hit of the even / odd index.
+inline void emit_hits(int64_t i, unsigned me, unsigned mo, const uint64_t* ke, const uint64_t* ko,
+                      const int64_t* ex, int64_t ne, std::vector<KeyIdx>& out) {
+  for (unsigned both = me | mo; both != 0; both &= both - 1) {
+    const int l = __builtin_ctz(both);
+    const int64_t j = i + 2 * l;
+    if (((me >> l) & 1) && !excluded(ex, ne, j)) out.push_back({ke[l], j});
+    if (((mo >> l) & 1) && !excluded(ex, ne, j + 1)) out.push_back({ko[l], j + 1});
+  }
+}
+
 #if defined(__x86_64__)
 // Bit l set when unsigned lane l of v is below the limit (a signed compare
 // after flipping the sign bits; `lim` is already flipped).
@@ -367,11 +386,61 @@ __attribute__((target("avx2"))) void keys_below_avx2(int64_t lo, int64_t hi, uin
     _mm256_store_si256(reinterpret_cast<__m256i*>(ko), oa);
     _mm256_store_si256(reinterpret_cast<__m256i*>(ko + 4), ob);
     const int me = me_a | (me_b << 4), mo = mo_a | (mo_b << 4);
-    for (int l = 0; l < 8; ++l) {  // ascending index order: even, odd of each pair
-      const int64_t j = i + 2 * l;
-      if (((me >> l) & 1) && !excluded(ex, ne, j)) out.push_back({ke[l], j});
-      if (((mo >> l) & 1) && !excluded(ex, ne, j + 1)) out.push_back({ko[l], j + 1});
+    emit_hits(i, me, mo, ke, ko, ex, ne, out);
+  }
+  keys_below_scalar(i, hi, seed, offset, limit, ex, ne, out);
+}
+#endif
+
+#if defined(__x86_64__)
+// The same with AVX-512F: 16 counters (pairs) per iteration in two 8-lane
+// vectors; AVX-512 has the unsigned 64-bit compare, so no sign flipping.
+__attribute__((target("avx512f"))) void keys_below_avx512(int64_t lo, int64_t hi, uint64_t seed,
+                                                          uint64_t offset, uint64_t limit,
+                                                          const int64_t* ex, int64_t ne,
+                                                          std::vector<KeyIdx>& out) {
+  const __m512i m0 = _mm512_set1_epi64(kPhiloxM0), m1 = _mm512_set1_epi64(kPhiloxM1);
+  const __m512i low = _mm512_set1_epi64(0xFFFFFFFFll);
+  const __m512i lim = _mm512_set1_epi64(static_cast<int64_t>(limit));
+  const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i c2init = _mm512_set1_epi64(static_cast<uint32_t>(offset));
+  const __m512i c3init = _mm512_set1_epi64(static_cast<uint32_t>(offset >> 32));
+  int64_t i = lo;
+  for (; i + 32 <= hi; i += 32) {
+    const int64_t p = i >> 1;
+    const __m512i pa = _mm512_add_epi64(_mm512_set1_epi64(p), lane);
+    const __m512i pb = _mm512_add_epi64(_mm512_set1_epi64(p + 8), lane);
+    __m512i a0 = pa, a1 = _mm512_srli_epi64(pa, 32), a2 = c2init, a3 = c3init;
+    __m512i b0 = pb, b1 = _mm512_srli_epi64(pb, 32), b2 = c2init, b3 = c3init;
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+      const __m512i K0 = _mm512_set1_epi64(k0), K1 = _mm512_set1_epi64(k1);
+      const __m512i pa0 = _mm512_mul_epu32(a0, m0), pa1 = _mm512_mul_epu32(a2, m1);
+      const __m512i pb0 = _mm512_mul_epu32(b0, m0), pb1 = _mm512_mul_epu32(b2, m1);
+      a0 = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(pa1, 32), a1), K0);
+      a2 = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(pa0, 32), a3), K1);
+      a1 = pa1;
+      a3 = pa0;
+      b0 = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(pb1, 32), b1), K0);
+      b2 = _mm512_xor_si512(_mm512_xor_si512(_mm512_srli_epi64(pb0, 32), b3), K1);
+      b1 = pb1;
+      b3 = pb0;
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
     }
+    const __m512i ea = _mm512_or_si512(_mm512_slli_epi64(a0, 32), _mm512_and_si512(a1, low));
+    const __m512i oa = _mm512_or_si512(_mm512_slli_epi64(a2, 32), _mm512_and_si512(a3, low));
+    const __m512i eb = _mm512_or_si512(_mm512_slli_epi64(b0, 32), _mm512_and_si512(b1, low));
+    const __m512i ob = _mm512_or_si512(_mm512_slli_epi64(b2, 32), _mm512_and_si512(b3, low));
+    const unsigned me = _mm512_cmplt_epu64_mask(ea, lim) | (_mm512_cmplt_epu64_mask(eb, lim) << 8);
+    const unsigned mo = _mm512_cmplt_epu64_mask(oa, lim) | (_mm512_cmplt_epu64_mask(ob, lim) << 8);
+    if ((me | mo) == 0) continue;
+    alignas(64) uint64_t ke[16], ko[16];
+    _mm512_store_si512(ke, ea);
+    _mm512_store_si512(ke + 8, eb);
+    _mm512_store_si512(ko, oa);
+    _mm512_store_si512(ko + 8, ob);
+    emit_hits(i, me, mo, ke, ko, ex, ne, out);
   }
   keys_below_scalar(i, hi, seed, offset, limit, ex, ne, out);
 }
@@ -380,7 +449,9 @@ __attribute__((target("avx2"))) void keys_below_avx2(int64_t lo, int64_t hi, uin
 void keys_below(int64_t lo, int64_t hi, uint64_t seed, uint64_t offset, uint64_t limit,
                 const int64_t* ex, int64_t ne, std::vector<KeyIdx>& out) {
 #if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx512) return keys_below_avx512(lo, hi, seed, offset, limit, ex, ne, out);
   if (avx2) return keys_below_avx2(lo, hi, seed, offset, limit, ex, ne, out);
 #endif
   keys_below_scalar(lo, hi, seed, offset, limit, ex, ne, out);
@@ -423,10 +494,18 @@ void explore_select(int64_t n, const int64_t* ex, int64_t ne, int64_t m, uint64_
     if (static_cast<int64_t>(cand.size()) >= m || q >= 0.99) break;
     q = std::min(1.0, q * 4.0);  // deterministic retry: still the exact m smallest keys
   }
-  std::nth_element(cand.begin(), cand.begin() + (m - 1), cand.end());
-  for (int64_t i = 0; i < m; ++i) out[i] = cand[i].idx;
-  std::sort(out, out + m);
-  for (int64_t i = 0; i < m; ++i) out[i] += base;
+  // cand is in ascending index order: find the m-th smallest key, then keep,
+  // in index order, every smaller key and the lowest-index ties of it.
+  std::vector<uint64_t> keys(cand.size());
+  for (size_t i = 0; i < cand.size(); ++i) keys[i] = cand[i].key;
+  std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.end());
+  const uint64_t kth = keys[m - 1];
+  int64_t less = 0;
+  for (const auto& c : cand) less += c.key < kth;
+  int64_t ties = m - less, o = 0;
+  for (const auto& c : cand) {
+    if (c.key < kth || (c.key == kth && ties-- > 0)) out[o++] = base + c.idx;
+  }
 }
 
 // Validates one segment's exclude list: inside [lo, hi), strictly increasing.
