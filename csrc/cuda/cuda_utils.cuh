@@ -160,6 +160,7 @@ __device__ void block_select_threshold(const KeyFn& kf, int64_t len, int64_t m,
     __syncthreads();
     const KeyT prefix = sh.prefix;
     const KeyT hi_mask = (d + 8 >= kBits) ? KeyT(0) : static_cast<KeyT>(~KeyT(0) << (d + 8));
+#pragma unroll 4
     for (int64_t i = threadIdx.x; i < len; i += BLOCK) {
       KeyT key = KeyT(0);
       if (kf(i, key) && (key & hi_mask) == prefix)
@@ -189,28 +190,47 @@ __device__ void block_select_threshold(const KeyFn& kf, int64_t len, int64_t m,
 // such items came before it (counting from eq_before, the number of key == T
 // items before `begin`). emit(pos, i) receives the output position, starting
 // at out_before. Stops early once out_end positions are filled. All threads
-// of the block must call it; `scan` is the block's BlockScan storage.
+// of the block must call it; `scan` is the block's BlockScan storage. Each
+// thread takes kItems consecutive items per round (blocked arrangement), so
+// the (thread, item) order is the index order.
 template <typename KeyT, int BLOCK, typename KeyFn, typename EmitFn>
 __device__ void block_emit_ordered(const KeyFn& kf, int64_t begin, int64_t end, KeyT T,
                                    int64_t need, int64_t eq_before, int64_t out_before,
                                    int64_t out_end, EmitFn&& emit,
                                    typename cub::BlockScan<int, BLOCK>::TempStorage& scan) {
+  constexpr int kItems = 4;
   using Scan = cub::BlockScan<int, BLOCK>;
   int64_t eq_run = eq_before, out_run = out_before;
-  for (int64_t base = begin; base < end && out_run < out_end; base += BLOCK) {
-    const int64_t i = base + threadIdx.x;
-    KeyT key = KeyT(0);
-    const bool valid = i < end && kf(i, key);
-    const int lt = valid && key < T;
-    const int eq = valid && key == T;
+  for (int64_t base = begin; base < end && out_run < out_end; base += int64_t(BLOCK) * kItems) {
+    const int64_t i0 = base + int64_t(threadIdx.x) * kItems;
+    bool lt[kItems], eq[kItems];
+    int n_eq = 0;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      KeyT key = KeyT(0);
+      const bool valid = i0 + j < end && kf(i0 + j, key);
+      lt[j] = valid && key < T;
+      eq[j] = valid && key == T;
+      n_eq += eq[j] ? 1 : 0;
+    }
     int eq_rank, eq_total;
-    Scan(scan).ExclusiveSum(eq, eq_rank, eq_total);
+    Scan(scan).ExclusiveSum(n_eq, eq_rank, eq_total);
     __syncthreads();
-    const int sel = lt || (eq && eq_run + eq_rank < need);
+    bool sel[kItems];
+    int n_sel = 0;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      sel[j] = lt[j] || (eq[j] && eq_run + eq_rank < need);
+      eq_rank += eq[j] ? 1 : 0;
+      n_sel += sel[j] ? 1 : 0;
+    }
     int sel_rank, sel_total;
-    Scan(scan).ExclusiveSum(sel, sel_rank, sel_total);
+    Scan(scan).ExclusiveSum(n_sel, sel_rank, sel_total);
     __syncthreads();
-    if (sel) emit(out_run + sel_rank, i);
+    int64_t pos = out_run + sel_rank;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j)
+      if (sel[j]) emit(pos++, i0 + j);
     eq_run += eq_total;
     out_run += sel_total;
   }

@@ -53,6 +53,7 @@ namespace cuda {
 namespace {
 
 constexpr int kBlock = 256;
+constexpr int kSegBlock = 512;  // threads of the one-block-per-segment kernels
 constexpr int64_t kTopkBlockSeg = int64_t(1) << 16;     // up to this: one block per segment
 constexpr int64_t kExploreBlockSeg = int64_t(1) << 15;  // same for explore_sample
 constexpr int kSample = 1 << 15;                        // threshold sample size
@@ -121,19 +122,19 @@ struct TopkKeys {
 // ---- small segments: one block each ---------------------------------------
 // segs: [S, 4] int64 rows (lo, len, k, out) with 0 < k.
 template <typename T>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kSegBlock)
     topk_segments_kernel(const T* __restrict__ w, const T* __restrict__ g, int mode,
                          const int64_t* __restrict__ segs, int64_t* __restrict__ out_idx,
                          T* __restrict__ out_val) {
   __shared__ SelectShared<uint32_t> sel;
-  __shared__ typename cub::BlockScan<int, kBlock>::TempStorage scan;
+  __shared__ typename cub::BlockScan<int, kSegBlock>::TempStorage scan;
   const int64_t* sd = segs + 4 * static_cast<int64_t>(blockIdx.x);
   const int64_t lo = sd[0], len = sd[1], k = sd[2], out = sd[3];
   int64_t* oi = out_idx + out;
   T* ov = out_val + out;
   const T* sg = g + lo;
   if (k >= len) {  // everything
-    for (int64_t i = threadIdx.x; i < len; i += kBlock) {
+    for (int64_t i = threadIdx.x; i < len; i += kSegBlock) {
       oi[i] = lo + i;
       ov[i] = sg[i];
     }
@@ -142,8 +143,8 @@ __global__ void __launch_bounds__(kBlock)
   const TopkKeys<T> kf{w + lo, sg, mode};
   uint32_t thr;
   int64_t need;
-  block_select_threshold<uint32_t, kBlock>(kf, len, k, sel, thr, need);
-  block_emit_ordered<uint32_t, kBlock>(
+  block_select_threshold<uint32_t, kSegBlock>(kf, len, k, sel, thr, need);
+  block_emit_ordered<uint32_t, kSegBlock>(
       kf, 0, len, thr, need, 0, 0, k,
       [&](int64_t pos, int64_t i) {
         oi[pos] = lo + i;
@@ -547,7 +548,7 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_segmented_cuda(
     const int64_t ns = static_cast<int64_t>(small.size()) / 4;
     if (ns > 0) {
       at::Tensor segs = to_device_i64(small, dev);
-      topk_segments_kernel<T><<<static_cast<unsigned int>(ns), kBlock, 0, current_stream()>>>(
+      topk_segments_kernel<T><<<static_cast<unsigned int>(ns), kSegBlock, 0, current_stream()>>>(
           pw, pg, mode, segs.data_ptr<int64_t>(), pi, pv);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
@@ -598,23 +599,23 @@ __device__ __forceinline__ void write_complement(int64_t i, int64_t lo, const in
 }
 
 // segs: [S, 7] int64 rows (lo, len, e0, e1, m, out, rng_offset) with 0 < m.
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kSegBlock)
     explore_segments_kernel(const int64_t* __restrict__ segs, const int64_t* __restrict__ ex,
                             uint64_t seed, int64_t* __restrict__ out) {
   __shared__ SelectShared<uint64_t> sel;
-  __shared__ typename cub::BlockScan<int, kBlock>::TempStorage scan;
+  __shared__ typename cub::BlockScan<int, kSegBlock>::TempStorage scan;
   const int64_t* sd = segs + 7 * static_cast<int64_t>(blockIdx.x);
   const int64_t lo = sd[0], len = sd[1], e0 = sd[2], e1 = sd[3], m = sd[4];
   int64_t* o = out + sd[5];
   const ExploreKeys kf{lo, ex + e0, e1 - e0, seed, static_cast<uint64_t>(sd[6])};
   if (m == len - kf.ne) {
-    for (int64_t i = threadIdx.x; i < len; i += kBlock) write_complement(i, lo, kf.ex, kf.ne, o);
+    for (int64_t i = threadIdx.x; i < len; i += kSegBlock) write_complement(i, lo, kf.ex, kf.ne, o);
     return;
   }
   uint64_t thr;
   int64_t need;
-  block_select_threshold<uint64_t, kBlock>(kf, len, m, sel, thr, need);
-  block_emit_ordered<uint64_t, kBlock>(
+  block_select_threshold<uint64_t, kSegBlock>(kf, len, m, sel, thr, need);
+  block_emit_ordered<uint64_t, kSegBlock>(
       kf, 0, len, thr, need, 0, 0, m, [&](int64_t pos, int64_t i) { o[pos] = lo + i; }, scan);
 }
 
@@ -862,7 +863,7 @@ at::Tensor explore_impl(c10::IntArrayRef offsets, const at::Tensor& ex,
   const int64_t ns = static_cast<int64_t>(small.size()) / 7;
   if (ns > 0) {
     at::Tensor segs = to_device_i64(small, dev);
-    explore_segments_kernel<<<static_cast<unsigned int>(ns), kBlock, 0, current_stream()>>>(
+    explore_segments_kernel<<<static_cast<unsigned int>(ns), kSegBlock, 0, current_stream()>>>(
         segs.data_ptr<int64_t>(), pe, useed, po);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
