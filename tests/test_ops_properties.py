@@ -15,7 +15,7 @@ from slimcomm import ops, reference as ref
 
 from _ops_cases import DTYPES, assert_bit_equal, assert_equal_nan, make_pair
 
-SETTINGS = settings(max_examples=100, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 dtypes = st.sampled_from(DTYPES)
@@ -268,7 +268,7 @@ def segment_layout(draw):
     return offsets, total, counts, draw(st.integers(0, 2**31))
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(segment_layout(), dtypes, st.sampled_from(["product", "grad", "weight"]),
        st.sampled_from(["random", "ties", "nonfinite"]))
 def test_significance_topk_segmented_any_layout(layout, dtype, score, pattern):
@@ -287,7 +287,7 @@ def test_significance_topk_segmented_any_layout(layout, dtype, score, pattern):
     assert torch.equal(idx, ridx)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(segment_layout(), st.integers(-(2**63), 2**63 - 1))
 def test_explore_sample_segmented_any_layout(layout, seed):
     offsets, _, counts, rseed = layout
