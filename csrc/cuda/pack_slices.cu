@@ -204,12 +204,13 @@ void run_slice(const at::Tensor& weight, const at::Tensor& rows, const at::Tenso
                 static_cast<unsigned int>(std::min<int64_t>({s.nr, want_rows, 65535})));
       if (to_block) slice_rows_kernel<T, true><<<grid, kBlock, 0, st>>>(s);
       else slice_rows_kernel<T, false><<<grid, kBlock, 0, st>>>(s);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       const unsigned int grid = grid_for(s.nr * s.nc, kBlock, 16);
       if (to_block) slice_flat_kernel<T, true><<<grid, kBlock, 0, st>>>(s);
       else slice_flat_kernel<T, false><<<grid, kBlock, 0, st>>>(s);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
