@@ -310,6 +310,8 @@ def gather_slices_multi(
         RuntimeError: lists of different lengths, mixed dtypes/devices, or any
             error of :func:`gather_slices` (naming the list position).
     """
+    if len(weights) == 0:  # torch's dispatcher rejects an empty Tensor[] before our check
+        raise RuntimeError("slimcomm.gather_slices_multi: argument 'weights' must not be empty")
     return _ops.gather_slices_multi(list(weights), list(rows), list(cols))
 
 

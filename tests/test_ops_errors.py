@@ -151,8 +151,7 @@ def _multi():
 @pytest.mark.parametrize("mutate,match", [
     (lambda ws, r, c: (ws, r[:2], c), r"'rows' has 2 entries but 'weights' has 3"),
     (lambda ws, r, c: (ws, r, c + [None]), r"'cols' has 4 entries but 'weights' has 3"),
-    # No tensor at all: the dispatcher itself refuses before any kernel runs.
-    (lambda ws, r, c: ([], [], []), r"empty list of Tensors"),
+    (lambda ws, r, c: ([], [], []), r"'weights' must not be empty"),
     (lambda ws, r, c: (ws[:2] + [ws[2].half()], r, c), r"'weights\[2\]' has dtype"),
     (lambda ws, r, c: (ws, r, c[:2] + [_i(0, 6)]), r"'cols\[2\]' has an index out of range"),
     (lambda ws, r, c: (ws, [r[0], _i(7), r[2]], c), r"'rows\[1\]' has an index out of range"),

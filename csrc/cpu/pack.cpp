@@ -11,7 +11,7 @@
 namespace slimcomm {
 namespace {
 
-constexpr int64_t kGrain = 1 << 15;
+constexpr int64_t kGrain = 1 << 18;  // small gathers stay on one thread
 
 at::Tensor pack_cpu(const at::Tensor& src, const at::Tensor& indices) {
   const char* op = "pack";
