@@ -47,10 +47,17 @@ git ls-files -z --cached --others --exclude-standard \
 cd "$BUILD_DIR"
 echo "build_cuda: building in $BUILD_DIR (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
 build_start=$(date +%s)
-"$VENV/bin/python" setup.py -q build_ext --inplace 2>&1 | grep -v -E "^(copying|running) " || {
-  echo "build_cuda: CUDA build FAILED" >&2
+log="$BUILD_DIR/build_cuda.log"
+if ! "$VENV/bin/python" setup.py -q build_ext --inplace >"$log" 2>&1; then
+  grep -v -E "^(copying|running) " "$log" | tail -150 >&2
+  if grep -q "C++20 or later compatible compiler is required" "$log"; then
+    echo "build_cuda: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') needs C++20;" \
+      "a '-std=c++17' in setup.py's compile flags overrides torch's default" >&2
+  fi
+  echo "build_cuda: CUDA build FAILED (full log: $log)" >&2
   exit 1
-}
+fi
+grep -E "error|warning" "$log" | grep -v -E "Py_LIMITED_API|SetuptoolsDeprecationWarning" | head -20 || true
 test -n "$(ls slimcomm/_C*.so 2>/dev/null)" || { echo "build_cuda: no slimcomm/_C*.so produced" >&2; exit 1; }
 build_s=$(( $(date +%s) - build_start ))
 

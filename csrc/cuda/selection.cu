@@ -577,19 +577,6 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_cuda(const at::Tensor& weig
 // explore_sample
 // ===========================================================================
 
-// Explore key of segment-local index i; false when lo + i is excluded.
-struct ExploreKeys {
-  int64_t lo;
-  const int64_t* ex;  // this segment's excluded indices (buffer indices, ascending)
-  int64_t ne;
-  uint64_t seed, offset;
-  __device__ __forceinline__ bool operator()(int64_t i, uint64_t& key) const {
-    if (ne > 0 && sorted_contains(ex, ne, lo + i)) return false;
-    key = explore_key(static_cast<uint64_t>(i), seed, offset);
-    return true;
-  }
-};
-
 // Writes every non-excluded index of [lo, lo + len) in order (m == what is left).
 __device__ __forceinline__ void write_complement(int64_t i, int64_t lo, const int64_t* ex,
                                                  int64_t ne, int64_t* out) {
@@ -598,20 +585,44 @@ __device__ __forceinline__ void write_complement(int64_t i, int64_t lo, const in
   out[i - b] = lo + i;
 }
 
-// segs: [S, 7] int64 rows (lo, len, e0, e1, m, out, rng_offset) with 0 < m.
+// Explore key of segment-local index i, exclusion looked up in a shared-memory
+// bitmap of the segment (bit i set = excluded).
+struct ExploreKeysBitmap {
+  const uint32_t* excluded;
+  uint64_t seed, offset;
+  __device__ __forceinline__ bool operator()(int64_t i, uint64_t& key) const {
+    if ((excluded[i >> 5] >> (i & 31)) & 1u) return false;
+    key = explore_key(static_cast<uint64_t>(i), seed, offset);
+    return true;
+  }
+};
+
+// segs: [S, 7] int64 rows (lo, len, e0, e1, m, out, rng_offset) with 0 < m and
+// len <= kExploreBlockSeg.
 __global__ void __launch_bounds__(kSegBlock)
     explore_segments_kernel(const int64_t* __restrict__ segs, const int64_t* __restrict__ ex,
                             uint64_t seed, int64_t* __restrict__ out) {
   __shared__ SelectShared<uint64_t> sel;
   __shared__ typename cub::BlockScan<int, kSegBlock>::TempStorage scan;
+  __shared__ uint32_t excluded[kExploreBlockSeg / 32];
   const int64_t* sd = segs + 7 * static_cast<int64_t>(blockIdx.x);
   const int64_t lo = sd[0], len = sd[1], e0 = sd[2], e1 = sd[3], m = sd[4];
   int64_t* o = out + sd[5];
-  const ExploreKeys kf{lo, ex + e0, e1 - e0, seed, static_cast<uint64_t>(sd[6])};
-  if (m == len - kf.ne) {
-    for (int64_t i = threadIdx.x; i < len; i += kSegBlock) write_complement(i, lo, kf.ex, kf.ne, o);
+  const int64_t ne = e1 - e0;
+  const int64_t* sex = ex + e0;
+  if (m == len - ne) {
+    for (int64_t i = threadIdx.x; i < len; i += kSegBlock) write_complement(i, lo, sex, ne, o);
     return;
   }
+  const int64_t words = (len + 31) / 32;
+  for (int64_t j = threadIdx.x; j < words; j += kSegBlock) excluded[j] = 0u;
+  __syncthreads();
+  for (int64_t j = threadIdx.x; j < ne; j += kSegBlock) {
+    const int64_t i = sex[j] - lo;  // validated: inside the segment
+    atomicOr(&excluded[i >> 5], 1u << (i & 31));
+  }
+  __syncthreads();
+  const ExploreKeysBitmap kf{excluded, seed, static_cast<uint64_t>(sd[6])};
   uint64_t thr;
   int64_t need;
   block_select_threshold<uint64_t, kSegBlock>(kf, len, m, sel, thr, need);
