@@ -67,7 +67,7 @@ summary() {
     echo
     echo "--- $(basename "$(dirname "$f")"): significance_topk / pack / slices rows"
     grep -E "^\|" "$f" | head -2
-    grep -E "significance_topk \||pack \||unpack \||gather_slices \||scatter_slices \|" "$f" || true
+    grep -E "^\| *(significance_topk|explore_sample|pack|unpack|gather_slices|scatter_slices) *\|" "$f" || true
   done
 }
 
