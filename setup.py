@@ -51,7 +51,8 @@ define_macros = [
     ("SLIMCOMM_TORCH_VERSION", f'"{torch.__version__}"'),
     ("Py_LIMITED_API", "0x03090000"),
 ]
-cxx_flags = ["-O3", "-fopenmp", "-std=c++17", "-fdiagnostics-color=always"]
+# No -std flag: torch picks the standard its headers need (C++17 or C++20).
+cxx_flags = ["-O3", "-fopenmp", "-fdiagnostics-color=always"]
 extra_compile_args = {"cxx": cxx_flags}
 if with_cuda:
     sources += sorted(glob.glob("csrc/cuda/*.cu"))

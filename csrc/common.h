@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -50,29 +51,27 @@ SliceShape check_slices(const char* op, const std::string& where, const at::Tens
                         const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);
 
 // ---------------------------------------------------------------------------
-// Score order. Scores are non-negative fp32 values (or NaN); their IEEE bit
-// patterns order like the values, and NaN is mapped above +inf.
+// Score order, shared by every backend. The score is |w|*|g|, |g| or |w| in
+// fp32 (fabsf, so -0.0 scores like +0.0); non-negative fp32 values order like
+// their IEEE bit patterns, and every NaN (any sign or payload) is mapped to the
+// top key, above +inf (0x7F800000).
 // ---------------------------------------------------------------------------
+SLIMCOMM_HD float score_value(float w, float g, ScoreMode mode) {
+  switch (mode) {
+    case ScoreMode::kGrad: return fabsf(g);
+    case ScoreMode::kWeight: return fabsf(w);
+    default: return fabsf(w) * fabsf(g);
+  }
+}
+
 SLIMCOMM_HD uint32_t score_key(float s) {
-  if (s != s) return 0xFFFFFFFFu;  // NaN ranks above +inf (0x7F800000)
   uint32_t b;
 #if defined(__CUDA_ARCH__)
   b = __float_as_uint(s);
 #else
   std::memcpy(&b, &s, sizeof(b));
 #endif
-  return b;
-}
-
-SLIMCOMM_HD float score_value(float w, float g, ScoreMode mode) {
-  float aw = w < 0.f ? -w : w;
-  float ag = g < 0.f ? -g : g;
-  // fabs semantics for NaN are irrelevant: NaN stays NaN either way.
-  switch (mode) {
-    case ScoreMode::kGrad: return ag;
-    case ScoreMode::kWeight: return aw;
-    default: return aw * ag;
-  }
+  return b > 0x7F800000u ? 0xFFFFFFFFu : b;
 }
 
 // ---------------------------------------------------------------------------

@@ -46,16 +46,12 @@ inline bool topk_before(const Cand& a, const Cand& b) {
   return a.key > b.key || (a.key == b.key && a.idx < b.idx);
 }
 
-// score_key(score_value(...)) with the mode fixed at compile time, for the hot loops.
+// The score key of element i with the mode fixed at compile time, for the hot loops.
 template <ScoreMode M, typename T>
 inline uint32_t key_at(const T* w, const T* g, int64_t i) {
-  float s;
-  if (M == ScoreMode::kProduct) s = std::fabs(static_cast<float>(w[i])) * std::fabs(static_cast<float>(g[i]));
-  else if (M == ScoreMode::kGrad) s = std::fabs(static_cast<float>(g[i]));
-  else s = std::fabs(static_cast<float>(w[i]));
-  uint32_t b;
-  std::memcpy(&b, &s, sizeof(b));
-  return b > 0x7F800000u ? 0xFFFFFFFFu : b;  // NaN ranks above +inf
+  const float fw = M == ScoreMode::kGrad ? 0.f : static_cast<float>(w[i]);
+  const float fg = M == ScoreMode::kWeight ? 0.f : static_cast<float>(g[i]);
+  return score_key(score_value(fw, fg, M));
 }
 
 // splitmix64: positions of the threshold sample (affects speed only, never results).

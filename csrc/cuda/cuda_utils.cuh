@@ -91,15 +91,10 @@ inline at::Tensor to_device_i64(const std::vector<int64_t>& v, const at::Device&
 // Score rank key: the order of significance_topk as an ascending 32-bit key.
 // score_key's order (larger score first, NaN above +inf) inverted, so that
 // "best" is the smallest key and every selection is "the m smallest (key,
-// index)". |x| uses fabsf so that -0.0 scores like +0.0, as on the CPU.
+// index)". Built from common.h's score_value / score_key, as on the CPU.
 // ---------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t rank_key(float w, float g, int mode) {
-  float s;
-  if (mode == static_cast<int>(ScoreMode::kGrad)) s = fabsf(g);
-  else if (mode == static_cast<int>(ScoreMode::kWeight)) s = fabsf(w);
-  else s = fabsf(w) * fabsf(g);
-  const uint32_t b = __float_as_uint(s);
-  return b > 0x7F800000u ? 0u : ~b;  // NaN (any payload) ranks above +inf
+  return ~score_key(score_value(w, g, static_cast<ScoreMode>(mode)));
 }
 
 template <typename T>
