@@ -372,6 +372,35 @@ class SlimDPState:
 
     # ------------------------------------------------------------ layouts
     def _layout_for(self, bucket: dist.GradBucket) -> _Layout:
+        """The layout of ``bucket``'s parameters; a new one is checked across ranks.
+
+        A mistake only this rank can see (state not attached, a bucket of
+        another model's parameters, an unsupported bucket layout) is raised
+        only after it has been signalled in the cross-rank check that every
+        rank runs for a new bucket layout, so the other ranks raise too
+        instead of blocking in a collective.
+        """
+        layout: Optional[_Layout] = None
+        error: Optional[RuntimeError] = None
+        try:
+            key = self._bucket_key(bucket)
+            layout = self._layouts.get(key)
+            if layout is not None:
+                return layout
+            layout = self._new_layout(bucket, key)
+        except RuntimeError as exc:
+            error = exc
+        self._verify_layout_across_ranks(layout, bucket, error)
+        self._move_state_into(layout)
+        # Older layouts that share a parameter are stale now.
+        key = tuple(layout.positions)
+        for old_key in [k for k in self._layouts if set(k) & set(key)]:
+            del self._layouts[old_key]
+        self._layouts[key] = layout
+        return layout
+
+    def _bucket_key(self, bucket: dist.GradBucket) -> Tuple[int, ...]:
+        """Positions of the bucket's parameters; RuntimeError if not attached / foreign."""
         if not self._positions:
             raise RuntimeError(
                 "SlimDPState is not attached to a model: call state.attach(ddp_model) "
@@ -379,7 +408,7 @@ class SlimDPState:
             )
         params = bucket.parameters()
         try:
-            key = tuple(self._positions[id(p)] for p in params)
+            return tuple(self._positions[id(p)] for p in params)
         except KeyError:
             bad = [tuple(p.shape) for p in params if id(p) not in self._positions]
             raise RuntimeError(
@@ -387,9 +416,11 @@ class SlimDPState:
                 f"parameters of the model given to SlimDPState.attach (attach the model "
                 f"wrapped by this DDP instance)"
             ) from None
-        layout = self._layouts.get(key)
-        if layout is not None:
-            return layout
+
+    def _new_layout(self, bucket: dist.GradBucket, key: Tuple[int, ...]) -> _Layout:
+        """A fresh layout for ``key``; RuntimeError if the bucket is not a flat
+        concatenation of its parameters' gradients."""
+        params = bucket.parameters()
         buf = bucket.buffer()
         grads = bucket.gradients()
         numels = [p.numel() for p in params]
@@ -409,40 +440,48 @@ class SlimDPState:
                 f"bucket {bucket.index()}: buffer has {buf.numel()} elements but its "
                 f"parameters have {off}"
             )
-        layout = _Layout(
+        return _Layout(
             list(key), numels, [self._names[i] for i in key],
             (self.core_ratio, self.explore_ratio), buf.device, buf.dtype, self.error_feedback,
         )
-        self._verify_layout_across_ranks(layout, bucket)
-        self._move_state_into(layout)
-        # Older layouts that share a parameter are stale now.
-        for old_key in [k for k in self._layouts if set(k) & set(key)]:
-            del self._layouts[old_key]
-        self._layouts[key] = layout
-        return layout
 
-    def _verify_layout_across_ranks(self, layout: _Layout, bucket: dist.GradBucket) -> None:
+    def _verify_layout_across_ranks(self, layout: Optional[_Layout], bucket: dist.GradBucket,
+                                    error: Optional[RuntimeError] = None) -> None:
         """Once per new bucket layout: check that every rank agrees on the bucket's
         parameters, the sizes on the wire, the hyperparameters and the step (a
-        mismatch would otherwise mismatch collective sizes and hang or corrupt).
+        mismatch would otherwise mismatch collective sizes and hang or corrupt),
+        and that no rank failed to build its layout (``error``, re-raised here
+        after the exchange; the other ranks raise a RuntimeError that says so).
         One all-reduce (MAX of ``[x, -x]``) of a few int64 values."""
         hp = repr((self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
                    self.score, self.index_mode, self.error_feedback, str(self.value_dtype),
                    self.seed, self.check_agreement_every))
+        failed = error is not None
         items = {
-            "parameter positions": zlib.crc32(repr(layout.positions).encode()),
-            "bucket size": layout.numel,
-            "core + explore sizes": sum(layout.ks) + sum(layout.ms),
+            "failed": int(failed),
+            "parameter positions": 0 if failed else zlib.crc32(repr(layout.positions).encode()),
+            "bucket size": 0 if failed else layout.numel,
+            "core + explore sizes": 0 if failed else sum(layout.ks) + sum(layout.ms),
             "hyperparameters": zlib.crc32(hp.encode()),
             "step": self.step,
         }
         vals = torch.tensor(list(items.values()), dtype=torch.int64)
-        if layout.device.type != "cpu":
-            vals = vals.to(layout.device)
+        device = bucket.buffer().device
+        if device.type != "cpu":
+            vals = vals.to(device)
         both = torch.cat([vals, -vals])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=_group(self))
+        if failed:
+            raise error
+        both = both.tolist()
         n = len(items)
-        differ = [name for i, name in enumerate(items) if int(both[i]) != -int(both[n + i])]
+        if both[0] != 0:
+            raise RuntimeError(
+                f"SlimDPState: another rank could not map bucket {bucket.index()} to its "
+                f"Slim-DP state (see the error raised on that rank, e.g. a state that is not "
+                f"attached or attached to another model); no rank can proceed"
+            )
+        differ = [name for i, name in enumerate(items) if both[i] != -both[n + i]]
         if differ:
             raise RuntimeError(
                 f"SlimDPState differs across ranks for bucket {bucket.index()} (parameters "
@@ -746,8 +785,11 @@ def slim_dp_hook(state: SlimDPState, bucket: dist.GradBucket) -> torch.futures.F
 
     Raises:
         RuntimeError: the state is not attached; the bucket holds parameters
-            of another model; the index-set agreement check failed (raised on
-            every rank, naming the bucket's parameters).
+            of another model (raised on that rank; every other rank raises
+            "another rank could not map bucket ..." at the same step instead
+            of waiting in a collective); the ranks' states differ; the
+            index-set agreement check failed (raised on every rank, naming
+            the bucket's parameters).
     """
     group = _group(state)
     world_size = dist.get_world_size(group)

@@ -726,3 +726,44 @@ def _mismatch_case(rank, world_size):
 def test_rank_mismatched_hyperparameters_raise_not_hang():
     with pytest.raises(WorkerError, match="differs across ranks.*hyperparameters"):
         run_workers(_mismatch_case, 2, timeout=60)
+
+
+def _one_rank_mistake_case(rank, world_size, mistake, flag_file):
+    """Rank 1 makes a mistake only it can see; it then stays alive (as a process
+    that catches the error would) until rank 0 has raised, so a rank 0 blocked
+    in a collective shows up as a timeout instead of a broken connection."""
+    import os
+    import time
+    model = make_model()
+    ddp = DDP(model)
+    if rank == 1 and mistake == "not_attached":
+        state = SlimDPState(**BASE)
+    elif rank == 1 and mistake == "other_model":
+        state = SlimDPState(**BASE, model=make_model())
+    else:
+        state = SlimDPState(**BASE, model=ddp)
+    ddp.register_comm_hook(state, slim_dp_hook)
+    x, y = batch(rank, 0)
+    t0 = time.monotonic()
+    try:
+        loss_fn(ddp(x), y).backward()
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    elapsed = time.monotonic() - t0
+    if rank == 0:
+        open(flag_file, "w").close()
+    else:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return err, elapsed
+
+
+@pytest.mark.parametrize("mistake", ["not_attached", "other_model"])
+def test_rank_local_state_mistake_raises_on_every_rank(mistake, tmp_path):
+    res = run_workers(_one_rank_mistake_case, 2, mistake, str(tmp_path / "done"), timeout=60)
+    (err0, t0), (err1, _) = res
+    assert err1 is not None and "attach" in err1
+    assert err0 is not None and "another rank" in err0, err0
+    assert t0 < 15, f"rank 0 waited {t0:.1f} s for the failed rank"
