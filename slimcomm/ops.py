@@ -52,6 +52,29 @@ SCORES = ("product", "grad", "weight")
 
 _ops = torch.ops.slimcomm
 
+_I64_MIN, _U64_END = -(1 << 63), 1 << 64
+
+
+def _bits64(value: int, op: str, name: str) -> int:
+    """A 64-bit seed/offset as the signed int64 the schema takes (same bit pattern).
+
+    Accepts any Python int in ``[-2**63, 2**64)``: values ``>= 2**63`` are
+    unsigned 64-bit patterns and map to their two's complement.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = int(value.__index__())  # numpy / torch integer scalars
+        except (AttributeError, TypeError):
+            raise RuntimeError(
+                f"slimcomm.{op}: argument '{name}' must be an int, got {type(value).__name__}"
+            ) from None
+    if not _I64_MIN <= value < _U64_END:
+        raise RuntimeError(
+            f"slimcomm.{op}: argument '{name}' must be a 64-bit integer in "
+            f"[-2**63, 2**64), got {value}"
+        )
+    return value - _U64_END if value >= (1 << 63) else value
+
 
 # ---------------------------------------------------------------------------
 # Selection (Slim-DP, arXiv 1709.09393, Sec. 3: significance = |w| x |g|)
@@ -148,19 +171,23 @@ def explore_sample(
             within ``[0, n)``. Its device selects the kernel (pass an empty
             tensor on the wanted device to exclude nothing).
         m: sample size, ``0 <= m <= n - len(exclude)``.
-        seed: 64-bit seed (Python int; negative values use their two's
-            complement bits).
-        offset: 64-bit RNG stream offset; use a different one per step and
-            per parameter to get independent samples.
+        seed: 64-bit seed, a Python int in ``[-2**63, 2**64)`` (a negative
+            value and ``value + 2**64`` are the same bit pattern, the same seed).
+        offset: 64-bit RNG stream offset, same range and convention as
+            ``seed``; use a different one per step and per parameter to get
+            independent samples.
 
     Returns:
         int64 tensor ``[m]`` sorted ascending, on ``exclude``'s device.
 
     Raises:
         RuntimeError: negative ``n``/``m``, ``m`` larger than what is left,
-            ``exclude`` not 1-D int64, out of range, or not strictly increasing.
+            ``exclude`` not 1-D int64, out of range, or not strictly increasing;
+            ``seed``/``offset`` not an int in ``[-2**63, 2**64)``.
     """
-    return _ops.explore_sample(n, exclude, m, seed, offset)
+    return _ops.explore_sample(
+        n, exclude, m, _bits64(seed, "explore_sample", "seed"),
+        _bits64(offset, "explore_sample", "offset"))
 
 
 def explore_sample_segmented(
@@ -192,10 +219,13 @@ def explore_sample_segmented(
         + offsets[s]``, i.e. keys use segment-local indices.
 
     Raises:
-        RuntimeError: as :func:`explore_sample`, plus malformed offsets.
+        RuntimeError: as :func:`explore_sample` (``rng_offsets[s]`` named on a
+            range error), plus malformed offsets.
     """
+    op = "explore_sample_segmented"
+    rng = [_bits64(o, op, f"rng_offsets[{i}]") for i, o in enumerate(rng_offsets)]
     return _ops.explore_sample_segmented(
-        list(offsets), exclude, list(exclude_offsets), list(ms), seed, list(rng_offsets)
+        list(offsets), exclude, list(exclude_offsets), list(ms), _bits64(seed, op, "seed"), rng
     )
 
 
@@ -340,12 +370,36 @@ def slices_numel(
     rows: Sequence[Optional[torch.Tensor]],
     cols: Sequence[Optional[torch.Tensor]],
 ) -> int:
-    """Number of elements :func:`gather_slices_multi` returns for these slices."""
+    """Number of elements :func:`gather_slices_multi` returns for these slices.
+
+    Args:
+        weights, rows, cols: as in :func:`gather_slices_multi` (only shapes
+            are read; index values are checked by the ops themselves).
+
+    Returns:
+        ``sum over t of r_t * c_t`` (``r_t`` for a 1-D weight).
+
+    Raises:
+        RuntimeError: lists of different lengths, a weight that is not 1-D
+            or 2-D, ``cols[t]`` given for a 1-D weight.
+    """
+    op = "slices_numel"
+    for name, seq in (("rows", rows), ("cols", cols)):
+        if len(seq) != len(weights):
+            raise RuntimeError(f"slimcomm.{op}: argument '{name}' has {len(seq)} entries but "
+                               f"'weights' has {len(weights)}")
     total = 0
-    for w, r, c in zip(weights, rows, cols):
-        nr = w.shape[0] if r is None else r.numel()
-        nc = 1 if w.dim() == 1 else (w.shape[1] if c is None else c.numel())
-        total += nr * nc
+    for t, (w, r, c) in enumerate(zip(weights, rows, cols)):
+        if w.dim() not in (1, 2):
+            raise RuntimeError(f"slimcomm.{op}: argument 'weights[{t}]' must be 1-D or 2-D, "
+                               f"got shape {list(w.shape)}")
+        if w.dim() == 1 and c is not None:
+            raise RuntimeError(f"slimcomm.{op}: argument 'cols[{t}]' must be None for a 1-D "
+                               f"weight")
+        n = 1
+        for d in _block_shape(w, r, c):
+            n *= d
+        total += n
     return total
 
 

@@ -204,3 +204,41 @@ def test_every_op_has_a_cuda_kernel_registered():
                  "explore_sample_segmented", "pack", "unpack", "gather_slices",
                  "scatter_slices", "gather_slices_multi", "scatter_slices_multi"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"slimcomm::{name}", "CUDA"), name
+
+
+def test_explore_seed_and_offset_take_any_64_bit_pattern():
+    # The documented seed is 64 bits: [2**63, 2**64) is the same bit pattern as
+    # its negative two's complement, and the reference (seed mod 2**64) agrees.
+    from slimcomm import reference as ref
+    ex = _i(2, 5)
+    for seed, offset in ((2**64 - 1, 3), (2**63, 2**64 - 7)):
+        out = ops.explore_sample(50, ex, 10, seed, offset)
+        assert torch.equal(out, ops.explore_sample(50, ex, 10, seed - 2**64,
+                                                   offset - 2**64 if offset >= 2**63 else offset))
+        assert torch.equal(out, ref.explore_sample(50, ex, 10, seed, offset))
+    seg = ops.explore_sample_segmented([0, 20, 50], ex, [0, 2, 2], [3, 4], 2**64 - 1, [2**63, 1])
+    assert torch.equal(seg, ref.explore_sample_segmented([0, 20, 50], ex, [0, 2, 2], [3, 4],
+                                                         2**64 - 1, [2**63, 1]))
+
+
+@pytest.mark.parametrize("fn,match", [
+    (lambda: ops.explore_sample(10, E, 1, 2**64, 0), r"'seed'"),
+    (lambda: ops.explore_sample(10, E, 1, -2**63 - 1, 0), r"'seed'"),
+    (lambda: ops.explore_sample(10, E, 1, 0, 2**64), r"'offset'"),
+    (lambda: ops.explore_sample_segmented([0, 10], E, [0, 0], [1], 2**65, [0]), r"'seed'"),
+    (lambda: ops.explore_sample_segmented([0, 10], E, [0, 0], [1], 0, [2**64]), r"'rng_offsets\[0\]'"),
+])
+def test_explore_seed_out_of_64_bits_names_the_argument(fn, match):
+    with pytest.raises(RuntimeError, match=match):
+        fn()
+
+
+@pytest.mark.parametrize("ws,rows,cols,match", [
+    ([torch.randn(4)], [None, None], [None], r"'rows' has 2 entries but 'weights' has 1"),
+    ([torch.randn(4)], [None], [], r"'cols' has 0 entries but 'weights' has 1"),
+    ([torch.randn(2, 2, 2)], [None], [None], r"'weights\[0\]' must be 1-D or 2-D"),
+    ([torch.randn(4)], [None], [_i(0)], r"'cols\[0\]' must be None for a 1-D weight"),
+])
+def test_slices_numel_bad_argument(ws, rows, cols, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.slices_numel(ws, rows, cols)
