@@ -204,8 +204,8 @@ class SlimDPState:
     * ``value_dtype`` (default ``None`` = the gradient's dtype): dtype of the
       values on the wire, one of fp32/fp16/bf16 (bf16 halves the bytes).
       Values are divided by the world size before the cast.
-    * ``seed`` (default 0): seed of the explore sampler; must be equal on all
-      ranks. The sampler never touches torch's global RNG, so ranks that
+    * ``seed`` (default 0): seed of the explore sampler, any 64-bit int
+      (``[-2**63, 2**64)``); must be equal on all ranks. The sampler never touches torch's global RNG, so ranks that
       consumed it differently (dropout) still agree.
     * ``check_agreement_every`` (default 0 = never): every n-th compressed
       step each bucket's index set is checked across ranks with one small
@@ -297,8 +297,8 @@ class SlimDPState:
             raise ValueError(
                 f"value_dtype must be None or one of {_VALUE_DTYPES}, got {value_dtype!r}"
             )
-        if not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) (64 bits), got {seed!r}")
         if not isinstance(check_agreement_every, int) or check_agreement_every < 0:
             raise ValueError(
                 f"check_agreement_every must be an int >= 0, got {check_agreement_every!r}"

@@ -483,6 +483,8 @@ def test_explore_rng_offset_distinct_per_step_and_position():
         (dict(index_mode="global"), "index_mode"),
         (dict(value_dtype=torch.int8), "value_dtype"),
         (dict(seed=1.5), "seed"),
+        (dict(seed=2**64), "seed"),  # would only fail at the first compressed step
+        (dict(seed=True), "seed"),
         (dict(check_agreement_every=-1), "check_agreement_every"),
         (dict(model="not a module"), "model"),
     ],
