@@ -735,7 +735,11 @@ class ISTTrainer:
 
     # -- setup ---------------------------------------------------------------
 
-    def _check_agreement(self, fingerprint: int, error: Optional[Exception]) -> None:
+    def _check_agreement(self, fingerprint: int, error: Optional[Exception],
+                         disagree: Optional[str] = None) -> None:
+        """All ranks: exchange a 63-bit fingerprint (``_FP_ERROR`` = this rank
+        failed with ``error``) in one all_gather; raise on every rank if any rank
+        failed or the fingerprints differ (``disagree`` says what they cover)."""
         mine = torch.tensor([fingerprint], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
         dist.all_gather(everyone, mine, group=self._pg)
@@ -752,11 +756,15 @@ class ISTTrainer:
             groups: Dict[int, List[int]] = {}
             for r, v in enumerate(values):
                 groups.setdefault(v, []).append(r)
+            if disagree is None:
+                disagree = ("the ranks disagree on the model architecture, dtype or IST "
+                            "settings (seed, local_steps, rescale, broadcast_model)")
+                hint = "Build the same model with the same arguments on every rank."
+            else:
+                hint = "Load the checkpoint of the same synchronisation round on every rank."
             raise RuntimeError(
-                "ISTTrainer: the ranks disagree on the model architecture, dtype or IST "
-                "settings (seed, local_steps, rescale, broadcast_model); ranks grouped by "
-                f"fingerprint: {sorted(groups.values())}. Build the same model with the same "
-                "arguments on every rank."
+                f"ISTTrainer: {disagree}; ranks grouped by fingerprint: "
+                f"{sorted(groups.values())}. {hint}"
             )
 
     def _broadcast_model(self) -> None:
@@ -977,11 +985,52 @@ class ISTTrainer:
         the same world size, and this rank's own state. The seed must match
         (it defines the partitions of the rounds to come).
 
+        Collective when distributed (all ranks call it together): after the
+        local checks and the model load, the ranks exchange a fingerprint of
+        (round, local step, full model), so a rank that loaded another round's
+        or another run's checkpoint, or whose load failed, makes every rank
+        raise instead of training on different partitions or waiting in the
+        next synchronisation.
+
         Raises:
             KeyError: a missing key.
             ValueError: ``seed`` differs, or a mid-round state with a
                 different ``world_size``/``local_steps``.
+            RuntimeError: from ``model.load_state_dict``; another rank failed
+                to load; the ranks loaded different rounds or models.
         """
+        error: Optional[Exception] = None
+        fingerprint = _FP_ERROR
+        try:
+            self._validate_state(state)
+            self.model.load_state_dict(state["model"])
+            h = hashlib.blake2b(digest_size=8)
+            h.update(f"{int(state['round'])}|{int(state['local_step'])}".encode())
+            for name, t in self.model.state_dict().items():
+                h.update(name.encode())
+                h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+            fingerprint = int.from_bytes(h.digest(), "little") >> 1
+        except Exception as exc:  # noqa: BLE001 - must reach the exchange below, never hang
+            error = exc
+        if self._distributed:
+            self._check_agreement(
+                fingerprint, error,
+                "the ranks loaded states of different rounds, local steps or models")
+        elif error is not None:
+            raise error
+        mid = state["local_step"] > 0
+        self._round = int(state["round"])
+        self._local_step = int(state["local_step"])
+        self._rounds = int(state["stats"]["rounds"])
+        self._steps = int(state["stats"]["steps"])
+        self._payload_bytes = int(state["payload_bytes"])
+        self._wire_bytes = int(state["wire_bytes"])
+        self._begin_round()
+        if mid:
+            self._subnet.load_state_dict(state["subnet"])
+            self._optimizer.load_state_dict(state["optimizer"])
+
+    def _validate_state(self, state: Dict[str, Any]) -> None:
         for key in ("version", "world_size", "seed", "local_steps", "round", "local_step",
                     "model", "subnet", "optimizer", "stats", "payload_bytes", "wire_bytes"):
             if key not in state:
@@ -1004,14 +1053,3 @@ class ISTTrainer:
                 f"state_dict['local_steps'] = {state['local_steps']} differs from "
                 f"{self.local_steps}; a mid-round state needs the same local_steps"
             )
-        self.model.load_state_dict(state["model"])
-        self._round = int(state["round"])
-        self._local_step = int(state["local_step"])
-        self._rounds = int(state["stats"]["rounds"])
-        self._steps = int(state["stats"]["steps"])
-        self._payload_bytes = int(state["payload_bytes"])
-        self._wire_bytes = int(state["wire_bytes"])
-        self._begin_round()
-        if mid:
-            self._subnet.load_state_dict(state["subnet"])
-            self._optimizer.load_state_dict(state["optimizer"])

@@ -602,6 +602,18 @@ def _bad_body(rank, world_size):
         nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), sgd, seed=rank))
     attempt("good", lambda: ist.ISTTrainer(
         nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), sgd, seed=1))
+    # Checkpoints: a rank that loads another round's state (or one whose load
+    # fails) must not silently train on a different partition or leave the
+    # other ranks waiting in the next synchronisation.
+    torch.manual_seed(0)
+    tr = ist.ISTTrainer(nn.Sequential(nn.Linear(4, 9), nn.ReLU(), nn.Linear(9, 2)), sgd,
+                        local_steps=2, seed=1)
+    for _ in range(4):
+        tr.step(torch.randn(3, 4), torch.randint(0, 2, (3,)), F.cross_entropy)
+    sd = tr.state_dict()
+    attempt("load_round", lambda: tr.load_state_dict({**sd, "round": 0} if rank == 1 else sd))
+    attempt("load_seed", lambda: tr.load_state_dict({**sd, "seed": 5} if rank == 1 else sd))
+    attempt("load_good", lambda: tr.load_state_dict(sd))
     # The group is still usable and in step after all of that.
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
@@ -618,6 +630,11 @@ def test_distributed_bad_inputs_raise_on_every_rank_without_hanging(two_ranks):
         assert r["seed"][0] == "RuntimeError" and "disagree" in r["seed"][1]
         assert r["good"] == ("ok", "")
         assert r["allreduce"] == 3.0
+    for r in res:
+        assert r["load_round"][0] == "RuntimeError" and "round" in r["load_round"][1]
+        assert r["load_good"] == ("ok", "")
+    assert res[1]["load_seed"][0] == "ValueError" and "seed" in res[1]["load_seed"][1]
+    assert res[0]["load_seed"][0] == "RuntimeError" and "rank(s) [1]" in res[0]["load_seed"][1]
     assert res[1]["unsupported"][0] == "TypeError"
     assert "model[1] (Softmax)" in res[1]["unsupported"][1]
     assert res[0]["unsupported"][0] == "RuntimeError"
