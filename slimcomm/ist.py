@@ -375,6 +375,16 @@ def _check_blocks(plan: _Plan, blocks: Any, rank: Any) -> int:
                 f"blocks[{l}] holds {total} indices but hidden layer {l} has "
                 f"{plan.hidden_sizes[l]} neurons"
             )
+        n = plan.hidden_sizes[l]
+        every = torch.cat([b.detach().reshape(-1).cpu() for b in layer])
+        lo, hi = (int(v) for v in torch.aminmax(every)) if n else (0, -1)
+        if lo < 0 or hi >= n or (n and int(torch.bincount(every, minlength=n).max()) != 1):
+            bad = f"index {hi if hi >= n else lo} outside [0, {n})" if lo < 0 or hi >= n \
+                else "an index in two blocks or twice in one"
+            raise ValueError(
+                f"blocks[{l}] is not a partition of the {n} neurons of hidden layer {l}: "
+                f"{bad} (every neuron must be in exactly one rank's block)"
+            )
     _check_int(rank, "rank", 0)
     if rank >= world_size:
         raise ValueError(f"rank must be < world_size = {world_size}, got {rank}")
@@ -448,8 +458,9 @@ def extract_subnet(
     Raises:
         TypeError: unsupported container, module type or dtype (the message
             names the module).
-        ValueError: inconsistent model structure, ``blocks`` not matching the
-            hidden sizes, ``rank`` out of range.
+        ValueError: inconsistent model structure, ``blocks`` not a partition
+            of the hidden neurons (wrong count, an index out of range, in two
+            blocks or twice in one), ``rank`` out of range.
         RuntimeError: from the slicing kernels (index out of range).
     """
     plan = _build_plan(model)

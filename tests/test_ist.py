@@ -354,8 +354,19 @@ def test_bad_blocks_rank_and_subnet():
     with pytest.raises(ValueError, match="one list per hidden layer"):
         ist.extract_subnet(model, blocks[:1], 0)
     out_of_range = torch.cat([blocks[1][1][:-1], torch.tensor([500])])
-    with pytest.raises(RuntimeError):   # index out of range, caught by the kernel
+    with pytest.raises(ValueError, match=r"blocks\[1\] is not a partition.*500"):
         ist.extract_subnet(model, [blocks[0], [blocks[1][0], out_of_range]], 1)
+    # Right sizes but not a partition: a neuron in two blocks (and one in none)
+    # would be trained twice and written back by two ranks.
+    overlap = torch.cat([blocks[1][1][:-1], blocks[1][0][:1]])
+    for r in (0, 1):
+        with pytest.raises(ValueError, match=r"blocks\[1\] is not a partition of the 6 neurons"):
+            ist.extract_subnet(model, [blocks[0], [blocks[1][0], overlap]], r)
+    with pytest.raises(ValueError, match=r"blocks\[1\] is not a partition"):
+        ist.write_back(model, ist.extract_subnet(model, blocks, 0),
+                       [blocks[0], [blocks[1][0], overlap]], 0)
+    with pytest.raises(ValueError, match=r"blocks\[1\] is not a partition.*500"):
+        ist.extract_subnet(model, [blocks[0], [blocks[1][0], out_of_range]], 0)
     sub = ist.extract_subnet(model, blocks, 0)
     before = _state(model)
     # rank 1's block of the first hidden layer has 3 neurons, rank 0's has 4
