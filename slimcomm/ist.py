@@ -895,8 +895,25 @@ class ISTTrainer:
             the loss before the update, as a Python float.
 
         Raises:
-            ValueError: ``loss_fn`` did not return a scalar tensor.
+            ValueError: ``inputs`` is not a tensor whose last dimension is the
+                first Linear's ``in_features`` in the model's dtype and device
+                (checked before anything runs); ``loss_fn`` did not return a
+                scalar tensor.
         """
+        plan = self._plan
+        in_features = self.model[plan.linears[0]].in_features
+        if not isinstance(inputs, torch.Tensor):
+            raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+        if inputs.dim() < 1 or inputs.shape[-1] != in_features:
+            raise ValueError(
+                f"inputs has shape {list(inputs.shape)}; expected [batch, in_features = "
+                f"{in_features}] (the model's first Linear)"
+            )
+        if inputs.dtype != plan.dtype or inputs.device != plan.device:
+            raise ValueError(
+                f"inputs is {str(inputs.dtype).replace('torch.', '')} on {inputs.device}; the "
+                f"model is {str(plan.dtype).replace('torch.', '')} on {plan.device}"
+            )
         self._subnet.train(self.model.training)
         self._optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(self._subnet(inputs), targets)

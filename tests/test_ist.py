@@ -459,6 +459,13 @@ def test_trainer_bad_arguments():
     t = ist.ISTTrainer(model, sgd)
     with pytest.raises(ValueError, match="scalar"):
         t.step(torch.randn(4, 5), None, lambda out, _: out)
+    # Inputs that cannot feed the model are named, before any state changes.
+    for bad, match in ((torch.randn(4, 6), r"inputs.*\[4, 6\].*in_features = 5"),
+                       (torch.randn(4, 5, dtype=torch.float64), r"inputs.*float64.*float32"),
+                       ([[0.0] * 5], r"inputs must be a torch.Tensor")):
+        with pytest.raises(ValueError, match=match):
+            t.step(bad, torch.zeros(4, dtype=torch.long), F.cross_entropy)
+    assert t.stats.steps == 0
 
 
 # ---------------------------------------------------------------------------
