@@ -629,10 +629,15 @@ def test_half_precision_gradients(two):
     assert_grads_match(two[0]["fp16_wire_bf16"]["grads"], sim, exact=True)
     sim = simulate(2, 6, dict(value_dtype=torch.bfloat16))
     assert_grads_match(two[0]["bf16_wire"]["grads"], sim, exact=True)
-    # bf16 on the wire halves the value bytes.
-    full = two[0]["shared"]["stats"]["last"]
+    # bf16 on the wire halves the bytes: same elements, 2 bytes each instead of 4
+    # (both runs: one default-size bucket, no agreement checksums; the wire holds
+    # the packed values plus one flag element per parameter).
+    full = two[0]["no_ef"]["stats"]["last"]
     half = two[0]["bf16_wire"]["stats"]["last"]
+    n_params = len(list(Net().parameters()))
     assert half["elements_sent"] == full["elements_sent"]
+    assert full["bytes_sent"] == 4 * (full["elements_sent"] + n_params)
+    assert half["bytes_sent"] == 2 * (half["elements_sent"] + n_params)
 
 
 def test_unused_parameters(two):
