@@ -808,17 +808,12 @@ class ISTTrainer:
         self._rows: List[List[Optional[torch.Tensor]]] = []
         self._cols: List[List[Optional[torch.Tensor]]] = []
         self._slice_numel: List[int] = []
+        full = [getattr(self.model[s.module], s.name) for s in plan.slices]
         for r in range(self._world_size):
             rows, cols = _rank_indices(plan, self._blocks, r)
             self._rows.append(rows)
             self._cols.append(cols)
-            n = 0
-            for s, ri, ci in zip(plan.slices, rows, cols):
-                full = getattr(self.model[s.module], s.name)
-                nr = full.shape[0] if ri is None else ri.numel()
-                nc = 1 if full.dim() == 1 else (full.shape[1] if ci is None else ci.numel())
-                n += nr * nc
-            self._slice_numel.append(n)
+            self._slice_numel.append(ops.slices_numel(full, rows, cols))
         self._shared_numel = sum(getattr(self.model[i], a).numel() for i, a in plan.shared)
 
     # -- public API ----------------------------------------------------------
