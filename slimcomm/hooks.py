@@ -92,7 +92,17 @@ def selection_sizes(numel: int, core_ratio: float, explore_ratio: float) -> Tupl
 
     Returns:
         ``(k, m, dense)``.
+
+    Raises:
+        ValueError: ``numel`` not an int ``>= 0``, or a ratio out of range
+            (the message names the argument).
     """
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+    if not 0 < core_ratio <= 1:
+        raise ValueError(f"core_ratio must be in (0, 1], got {core_ratio!r}")
+    if not 0 <= explore_ratio <= 1:
+        raise ValueError(f"explore_ratio must be in [0, 1], got {explore_ratio!r}")
     k = max(1, math.ceil(round(core_ratio * numel, 6)))
     m = max(1, math.ceil(round(explore_ratio * numel, 6))) if explore_ratio > 0 else 0
     if k + m >= numel:

@@ -464,6 +464,16 @@ def test_selection_sizes(numel, cr, er, expected):
     assert selection_sizes(numel, cr, er) == expected
 
 
+@pytest.mark.parametrize("args,name", [
+    ((-1, 0.01, 0.01), "numel"), ((1.5, 0.01, 0.01), "numel"),
+    ((100, 0.0, 0.01), "core_ratio"), ((100, 1.01, 0.0), "core_ratio"),
+    ((100, 0.01, -0.5), "explore_ratio"), ((100, 0.01, float("nan")), "explore_ratio"),
+])
+def test_selection_sizes_bad_arguments(args, name):
+    with pytest.raises(ValueError, match=name):
+        selection_sizes(*args)
+
+
 def test_explore_rng_offset_distinct_per_step_and_position():
     assert explore_rng_offset(0, 0) == 0
     assert explore_rng_offset(3, 5) == 3 * 2**32 + 5  # the documented formula
