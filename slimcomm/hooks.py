@@ -918,9 +918,9 @@ def _zero_sent(layout, acc, idx):
 def _commit(state, layout, buf, acc, idx, vals, flags):
     """After the collective: update ``G`` and the residual, fill NaN where flagged."""
     g_vals = vals if vals.dtype == torch.float32 else vals.float()
-    finite = bool(torch.isfinite(flags.sum(dtype=torch.float32))) and bool(
-        torch.isfinite(g_vals.sum())
-    )
+    # One host sync per bucket: a non-finite flag or value makes the sum non-finite
+    # (a finite overflow only sends us down the exact per-parameter path below).
+    finite = bool(torch.isfinite(flags.sum(dtype=torch.float32) + g_vals.sum()))
     if finite:
         if state.index_mode == "shared":
             ops.unpack(layout.G, idx, g_vals)
