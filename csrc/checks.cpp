@@ -25,6 +25,16 @@ void check_values(const char* op, const char* arg, const at::Tensor& t, bool req
   }
 }
 
+ScoreMode check_topk_args(const char* op, const at::Tensor& weight, const at::Tensor& grad,
+                          c10::string_view score) {
+  check_values(op, "weight", weight);
+  check_values(op, "grad", grad);
+  check_same(op, "grad", grad, "weight", weight);
+  SLIMCOMM_CHECK(grad.numel() == weight.numel(), op, "grad", "has ", grad.numel(),
+                 " elements but 'weight' has ", weight.numel());
+  return parse_score(op, std::string(score));
+}
+
 void check_index_tensor(const char* op, const char* arg, const at::Tensor& t) {
   SLIMCOMM_CHECK(t.defined(), op, arg, "is undefined");
   SLIMCOMM_CHECK(t.scalar_type() == at::kLong, op, arg, "must be an int64 tensor, got ",

@@ -33,6 +33,9 @@ ScoreMode parse_score(const char* op, const std::string& score);
 
 void check_values(const char* op, const char* arg, const at::Tensor& t, bool require_1d = true);
 void check_index_tensor(const char* op, const char* arg, const at::Tensor& t);
+// Checks weight/grad of the selection ops and parses `score`.
+ScoreMode check_topk_args(const char* op, const at::Tensor& weight, const at::Tensor& grad,
+                          c10::string_view score);
 void check_same(const char* op, const char* arg, const at::Tensor& t, const char* ref_arg,
                 const at::Tensor& ref, bool same_dtype = true);
 // Throws unless every index of `idx` (1-D int64, contiguous, on CPU) lies in [0, size).

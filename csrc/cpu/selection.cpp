@@ -225,14 +225,6 @@ void topk_dispatch(ScoreMode mode, const T* w, const T* g, int64_t n, int64_t k,
   }
 }
 
-void check_topk_args(const char* op, const at::Tensor& weight, const at::Tensor& grad) {
-  check_values(op, "weight", weight);
-  check_values(op, "grad", grad);
-  check_same(op, "grad", grad, "weight", weight);
-  SLIMCOMM_CHECK(grad.numel() == weight.numel(), op, "grad", "has ", grad.numel(),
-                 " elements but 'weight' has ", weight.numel());
-}
-
 template <typename Fn>
 void dispatch_values(const at::Tensor& t, Fn&& fn) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "significance_topk", [&] {
@@ -244,8 +236,7 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_segmented_cpu(
     const at::Tensor& weight, const at::Tensor& grad, c10::IntArrayRef offsets,
     c10::IntArrayRef ks, c10::string_view score) {
   const char* op = "significance_topk_segmented";
-  check_topk_args(op, weight, grad);
-  ScoreMode mode = parse_score(op, std::string(score));
+  const ScoreMode mode = check_topk_args(op, weight, grad, score);
   check_segments(op, offsets, "offsets", ks, "ks", weight.numel());
   const int64_t S = static_cast<int64_t>(ks.size());
   std::vector<int64_t> out_off(S + 1, 0);
@@ -280,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_cpu(const at::Tensor& weigh
                                                          const at::Tensor& grad, int64_t k,
                                                          c10::string_view score) {
   const char* op = "significance_topk";
-  check_topk_args(op, weight, grad);
+  check_topk_args(op, weight, grad, score);
   SLIMCOMM_CHECK(k >= 0 && k <= weight.numel(), op, "k", "must be in [0, numel(weight) = ",
                  weight.numel(), "], got ", k);
   const int64_t offsets[2] = {0, weight.numel()};

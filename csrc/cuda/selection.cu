@@ -504,20 +504,11 @@ void topk_large(const T* w, const T* g, int64_t n, int64_t k, int mode, int64_t 
   topk_radix<T>(w, g, n, k, mode, lo, out_idx, out_val, dev);
 }
 
-void check_topk_args(const char* op, const at::Tensor& weight, const at::Tensor& grad) {
-  check_values(op, "weight", weight);
-  check_values(op, "grad", grad);
-  check_same(op, "grad", grad, "weight", weight);
-  SLIMCOMM_CHECK(grad.numel() == weight.numel(), op, "grad", "has ", grad.numel(),
-                 " elements but 'weight' has ", weight.numel());
-}
-
 std::tuple<at::Tensor, at::Tensor> significance_topk_segmented_cuda(
     const at::Tensor& weight, const at::Tensor& grad, c10::IntArrayRef offsets,
     c10::IntArrayRef ks, c10::string_view score) {
   const char* op = "significance_topk_segmented";
-  check_topk_args(op, weight, grad);
-  const int mode = static_cast<int>(parse_score(op, std::string(score)));
+  const int mode = static_cast<int>(check_topk_args(op, weight, grad, score));
   check_segments(op, offsets, "offsets", ks, "ks", weight.numel());
   c10::cuda::CUDAGuard guard(weight.device());
   const at::Device dev = weight.device();
@@ -565,7 +556,7 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_cuda(const at::Tensor& weig
                                                           const at::Tensor& grad, int64_t k,
                                                           c10::string_view score) {
   const char* op = "significance_topk";
-  check_topk_args(op, weight, grad);
+  check_topk_args(op, weight, grad, score);
   SLIMCOMM_CHECK(k >= 0 && k <= weight.numel(), op, "k", "must be in [0, numel(weight) = ",
                  weight.numel(), "], got ", k);
   const int64_t offsets[2] = {0, weight.numel()};
