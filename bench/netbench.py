@@ -17,7 +17,8 @@ results JSONs are collected into
   MB sent per rank, and the link throughput measured before the runs;
 * ``<out-dir>/netbench_<W>ranks.png``: test accuracy vs training wall time,
   one panel per rate;
-* ``<out-dir>/netbench_<W>ranks/<rate>_<method>.json``: the raw results.
+* ``<out-dir>/netbench_<W>ranks/<rate>_<method>.json``: the raw results
+  (per-rank logs under ``.../logs/``).
 
 The namespaces are deleted in a ``finally`` block that also runs on SIGINT,
 SIGTERM and SIGHUP, and the script checks that they are gone. Needs root
@@ -37,6 +38,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -192,6 +194,7 @@ def run_job(net: EmulatedNetwork, method: str, out_json: str, train_args: Sequen
     """Run one slimcomm.train job with one process per rank inside the namespaces; return rank 0's JSON."""
     procs = []
     logs = []
+    os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("RANK", None)
@@ -273,10 +276,11 @@ def markdown(results: Dict[str, Dict[str, Dict]], measured: Dict[str, float], he
                 f"{f['bytes_sent_per_rank'] / 1e6 / steps:.3f}",
                 f"{1000 * f['train_time_s'] / steps:.0f}",
                 f"{f['train_time_s']:.1f}",
+                " ".join(r.get("method_flags", [])) or "-",
             ])
         parts.append(tabulate(rows, headers=["method", f"time to {tgt:g} (s)", "epoch reached",
                                              "speed-up vs ddp", f"test acc after {epochs} epochs",
-                                             "MB/rank/step", "ms/step", "train time (s)"],
+                                             "MB/rank/step", "ms/step", "train time (s)", "method flags"],
                               tablefmt="github", disable_numparse=True))
     return "\n".join(parts) + "\n"
 
@@ -308,6 +312,15 @@ def plot(results: Dict[str, Dict[str, Dict]], out_png: str) -> None:
     plt.close(fig)
 
 
+def _reusable(path: str, extra: Sequence[str]) -> Optional[Dict]:
+    """The result at ``path`` if it exists and was produced with exactly the flags ``extra``."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        r = json.load(f)
+    return r if r.get("netbench_args") == list(extra) else None
+
+
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -321,13 +334,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rates", default="100mbit,1gbit", help="comma-separated tbf rates per link")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated slimcomm.train methods")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated slimcomm.train methods; METHOD@TAG is a labelled variant of METHOD "
+                        "(give it its own --method-args)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="threads per rank (default: cores / ranks)")
     p.add_argument("--stop-at-target", default="", metavar="RATES",
                    help="rates at which runs stop once the target accuracy is reached (saves time; the "
                         "accuracy trajectory does not depend on the link, so equal-epoch accuracy comes "
                         "from the other rates)")
+    p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
+                   help="extra slimcomm.train flags for one method, e.g. slimdp='--momentum 0 --lr 0.2' "
+                        "(repeatable; shown in the table)")
+    p.add_argument("--reuse", action="store_true",
+                   help="load a (rate, method) result JSON that already exists with the same flags instead of "
+                        "rerunning it (the link is still set up and measured)")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
@@ -340,7 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if stop_rates - set(rates):
         p.error(f"--stop-at-target {sorted(stop_rates - set(rates))} not in --rates")
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m.split("@")[0] not in METHODS]
     if bad or not methods:
         p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
     if os.geteuid() != 0:
@@ -348,6 +369,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for forbidden in ("--rank", "--world-size", "--master-addr", "--master-port", "--method", "--compare", "--out"):
         if forbidden in train_args:
             p.error(f"{forbidden} is set by netbench; do not pass it after --")
+    per_method: Dict[str, List[str]] = {}
+    for item in a.method_args:
+        if "=" not in item:
+            p.error(f"--method-args {item!r}: expected METHOD=ARGS")
+        m, rest = item.split("=", 1)
+        if m not in methods:
+            p.error(f"--method-args {item!r}: {m} is not in --methods")
+        per_method[m] = shlex.split(rest)
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.world_size)
     name = a.name or f"netbench_{a.world_size}ranks"
     json_dir = os.path.join(a.out_dir, name)
@@ -367,10 +396,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       flush=True)
                 results[rate] = {}
                 for m in methods:
-                    extra = list(train_args) + (["--stop-at-target"] if rate in stop_rates else [])
+                    extra = (list(train_args) + per_method.get(m, [])
+                             + (["--stop-at-target"] if rate in stop_rates else []))
                     t0 = time.perf_counter()
-                    r = run_job(net, m, os.path.join(json_dir, f"{rate}_{m}.json"), extra, a.port,
-                                a.timeout, threads, json_dir)
+                    path = os.path.join(json_dir, f"{rate}_{m}.json")
+                    r = _reusable(path, extra) if a.reuse else None
+                    if r is None:
+                        r = run_job(net, m.split("@")[0], path, extra, a.port, a.timeout, threads,
+                                    os.path.join(json_dir, "logs"))
+                    else:
+                        print(f"[netbench] {rate} {m}: reusing {path}", flush=True)
+                    r["netbench_args"] = extra
+                    r["method_flags"] = per_method.get(m, [])
+                    with open(path, "w") as f:
+                        json.dump(r, f, indent=1)
                     results[rate][m] = r
                     t = r.get("time_to_target")
                     print(f"[netbench] {rate} {m}: acc {r['final']['test_acc']:.4f}, "

@@ -214,8 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=_positive_int("--epochs"), default=2)
     g.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64, help="per-rank mini-batch")
-    g.add_argument("--lr", type=_positive_float("--lr"), default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--lr", type=_positive_float("--lr"), default=None,
+                   help="SGD learning rate (default: 0.05 for ddp/fp16/powersgd/ist, 0.2 for topk/slimdp)")
+    g.add_argument("--momentum", type=float, default=None,
+                   help="SGD momentum (default: 0.9 for ddp/fp16/powersgd/ist, 0 for topk/slimdp)")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--bucket-cap-mb", type=_positive_float("--bucket-cap-mb"), default=25.0, help="DDP bucket size")
@@ -286,7 +288,7 @@ def _resolve_launch(args: argparse.Namespace) -> None:
         args.threads = max(1, (os.cpu_count() or 1) // max(1, args.local_world_size))
     if args.powersgd_start_iter < 2:
         raise SystemExit("error: --powersgd-start-iter must be >= 2 (PowerSGD's error feedback needs a dense warm-up)")
-    if not 0.0 <= args.momentum < 1.0:
+    if args.momentum is not None and not 0.0 <= args.momentum < 1.0:
         raise SystemExit(f"error: --momentum must be in [0, 1), got {args.momentum}")
     if args.weight_decay < 0:
         raise SystemExit(f"error: --weight-decay must be >= 0, got {args.weight_decay}")
@@ -314,6 +316,27 @@ def build_model(in_features: int, hidden: Sequence[int], num_classes: int) -> nn
 
 
 _VALUE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+METHOD_DEFAULTS = {
+    # Sparsified methods with error feedback (topk, slimdp) default to plain SGD: heavy-ball
+    # momentum applied to the sparse, residual-delayed updates over-shoots (Lin et al., Deep
+    # Gradient Compression, arXiv 1712.01887, Sec. 3.2 "momentum correction"); measured here on
+    # Fashion-MNIST, MLP 784-2048-2048-10, 2 ranks, batch 128: slimdp with momentum 0.9 / lr 0.05
+    # reached 0.796 test accuracy after 2 epochs, with plain SGD at lr 0.2 0.85 after 1 epoch.
+    "topk": {"lr": 0.2, "momentum": 0.0},
+    "slimdp": {"lr": 0.2, "momentum": 0.0},
+}
+_COMMON_DEFAULTS = {"lr": 0.05, "momentum": 0.9}
+
+
+def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill ``--lr`` / ``--momentum`` left unset with ``args.method``'s defaults (in place)."""
+    d = METHOD_DEFAULTS.get(args.method, _COMMON_DEFAULTS)
+    if args.lr is None:
+        args.lr = d["lr"]
+    if args.momentum is None:
+        args.momentum = d["momentum"]
+    return args
 
 
 def _make_optimizer(params, args):
@@ -673,6 +696,7 @@ def _spawn_entry(rank, args, init_method):
 
 def run(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """Run one method (``args.method``) to completion. Returns the results dict (rank 0 / spawner), else None."""
+    apply_method_defaults(args)
     if args.out is None:
         args.out = os.path.join(args.out_dir, f"{args.method}.json")
     if args.external:

@@ -12,7 +12,7 @@ from slimcomm import train as T
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = list(T.METHODS)
-TINY = ["--dataset", "digits", "--hidden", "48,48", "--epochs", "1", "--batch-size", "16", "--lr", "0.05",
+TINY = ["--dataset", "digits", "--hidden", "48,48", "--epochs", "1", "--batch-size", "16",
         "--no-progress", "--threads", "1", "--timeout", "60"]
 
 
