@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=_positive_int("--epochs"), default=2)
-    g.add_argument("--batch-size", type=_positive_int("--batch-size"), default=64, help="per-rank mini-batch")
+    g.add_argument("--batch-size", type=_positive_int("--batch-size"), default=128, help="per-rank mini-batch")
     g.add_argument("--lr", type=_positive_float("--lr"), default=None,
                    help="SGD learning rate (default: 0.05 for ddp/fp16/powersgd/ist, 0.2 for topk/slimdp)")
     g.add_argument("--momentum", type=float, default=None,
