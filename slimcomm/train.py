@@ -104,28 +104,26 @@ BYTES_DEFINITION = (
 # Arguments
 # ---------------------------------------------------------------------------
 
-def _positive_int(name):
+def _int_in(name, lo, hi=None):
+    """argparse type: an integer in [lo, hi] (hi None = unbounded), errors naming the flag."""
     def conv(s):
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        if v < lo or (hi is not None and v > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {v}")
         return v
     return conv
+
+
+def _positive_int(name):
+    return _int_in(name, 1)
 
 
 def _nonneg_int(name):
-    def conv(s):
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
-        return v
-    return conv
+    return _int_in(name, 0)
 
 
 def _ratio(name):
@@ -219,11 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--momentum", type=float, default=None,
                    help="SGD momentum (default: 0.9 for ddp/fp16/powersgd/ist, 0 for topk/slimdp)")
     g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0)
     g.add_argument("--bucket-cap-mb", type=_positive_float("--bucket-cap-mb"), default=25.0, help="DDP bucket size")
     g.add_argument("--eval-every", type=_nonneg_int("--eval-every"), default=0,
                    help="also evaluate every this many steps (0: only at the end of each epoch)")
-    g.add_argument("--target-acc", type=float, default=0.85, help="test accuracy for time-to-accuracy")
+    g.add_argument("--target-acc", type=_ratio("--target-acc"), default=0.85, help="test accuracy for time-to-accuracy")
     g.add_argument("--stop-at-target", action="store_true",
                    help="stop training at the first evaluation that reaches --target-acc")
 
@@ -237,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--core-ratio", type=_ratio("--core-ratio"), default=0.01, help="core set size / parameter numel")
     g.add_argument("--explore-ratio", type=_ratio("--explore-ratio"), default=0.01, help="explore set size / parameter numel")
     g.add_argument("--core-refresh", type=_positive_int("--core-refresh"), default=50, help="steps between core set refreshes")
-    g.add_argument("--warmup-steps", type=_positive_int("--warmup-steps"), default=None,
+    g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 2), default=None,
                    help="dense all-reduce steps first (default: the hook's)")
     g.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="dtype of values on the wire")
 
@@ -705,11 +703,14 @@ def run(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
         return _worker(args.rank, args, "env://")
     import torch.multiprocessing as mp
 
-    if os.path.exists(args.out):
-        os.remove(args.out)
+    # A previous result stays in place until rank 0 atomically replaces it, so a
+    # failed run loses nothing; a run that ends without rewriting it is an error.
+    before = os.stat(args.out).st_mtime_ns if os.path.exists(args.out) else None
     with tempfile.TemporaryDirectory(prefix="slimcomm-train-") as tmp:
         init = "file://" + os.path.join(tmp, "store")
         mp.start_processes(_spawn_entry, args=(args, init), nprocs=args.world_size, join=True, start_method="spawn")
+    if not os.path.exists(args.out) or os.stat(args.out).st_mtime_ns == before:
+        raise RuntimeError(f"the training ranks exited without writing {args.out}")
     with open(args.out) as f:
         return json.load(f)
 

@@ -186,6 +186,9 @@ def test_setup_error_on_every_rank(tmp_path):
     (["--rank", "0", "--world-size", "2"], "--master-addr"),
     (["--rank", "2", "--world-size", "2", "--master-addr", "x", "--master-port", "1"], "--rank 2"),
     (["--powersgd-start-iter", "1"], "--powersgd-start-iter"),
+    (["--warmup-steps", "1"], "--warmup-steps"),
+    (["--target-acc", "5"], "--target-acc"),
+    (["--seed", "99999999999999999999999"], "--seed"),
 ])
 def test_bad_arguments(argv, needle, monkeypatch, capsys):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -211,3 +214,20 @@ def test_compare_table_ratios():
 def test_build_model_default_size():
     m = T.build_model(784, (2048, 2048), 10)
     assert sum(p.numel() for p in m.parameters()) == 5_824_522
+
+
+def test_failed_run_keeps_previous_result(tmp_path, monkeypatch):
+    """A run whose ranks exit without writing the JSON raises and leaves the old file intact."""
+    out = tmp_path / "ddp.json"
+    out.write_text('{"previous": true}')
+    monkeypatch.setattr(T, "_spawn_entry", _exit_without_writing)
+    args = T.build_parser().parse_args(["--method", "ddp", "--world-size", "1", "--dataset", "digits",
+                                        "--out", str(out)])
+    T._resolve_launch(args)
+    with pytest.raises(RuntimeError, match="without writing"):
+        T.run(args)
+    assert out.read_text() == '{"previous": true}'
+
+
+def _exit_without_writing(rank, args, init_method):
+    return None
