@@ -191,3 +191,70 @@ def test_cuda_errors_name_the_argument():
     with pytest.raises(RuntimeError, match=r"'rows' is on"):
         ops.gather_slices(w.view(2, 5), torch.tensor([1]), None)
     assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("pattern", ["random", "ties"])
+def test_topk_large_segments_at_odd_offsets(pattern):
+    """Segments of 100k-300k elements starting at odd offsets (unaligned 16-byte loads),
+    on random data (sampled-bracket path) and heavy ties (fallback path)."""
+    lens = [1, 100_003, 4, 250_001, 7, 299_999]
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    ks = [1, 1_000, 0, 25_000, 7, 2_999]
+    w, g = make_pair(offsets[-1], torch.float32, pattern, seed=11)
+    idx, val = ops.significance_topk_segmented(w, g, offsets, ks)
+    cidx, cval = ops.significance_topk_segmented(*_cuda(w, g), offsets, ks)
+    assert torch.equal(cidx.cpu(), idx)
+    assert_bit_equal(cval.cpu(), val)
+
+
+def test_topk_weight_and_grad_mutually_misaligned():
+    """weight and grad views that start at different 16-byte phases."""
+    n = 200_001
+    a, b = make_pair(n + 3, torch.float32, "random", seed=5)
+    w, g = a[1:n + 1], b[:n]
+    idx, val = ops.significance_topk(w, g, 2_000)
+    ca, cb = _cuda(a, b)
+    cidx, cval = ops.significance_topk(ca[1:n + 1], cb[:n], 2_000)
+    assert torch.equal(cidx.cpu(), idx)
+    assert_bit_equal(cval.cpu(), val)
+
+
+def test_ops_on_a_side_stream():
+    """Kernels launch on the current stream: results are right inside torch.cuda.stream(s)."""
+    n = 1 << 20
+    w, g = make_pair(n, torch.float32, "random", seed=3)
+    idx, _ = ops.significance_topk(w, g, n // 100)
+    ex = ops.explore_sample(n, idx, n // 100, 7, 9)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        cw, cg = w.cuda(), g.cuda()
+        cidx, cval = ops.significance_topk(cw, cg, n // 100)
+        cex = ops.explore_sample(n, cidx, n // 100, 7, 9)
+        packed = ops.pack(cg, cidx)
+    s.synchronize()
+    assert torch.equal(cidx.cpu(), idx)
+    assert torch.equal(cex.cpu(), ex)
+    assert torch.equal(packed.cpu(), g[idx])
+
+
+def test_opcheck_cuda():
+    """torch.library.opcheck on CUDA tensors for every op."""
+    w, g = (t.cuda() for t in make_pair(1000, torch.float32, "random", seed=1))
+    idx = torch.arange(0, 1000, 7, device="cuda")
+    W = torch.randn(12, 9, device="cuda")
+    r, c = torch.tensor([0, 3, 5], device="cuda"), torch.tensor([1, 8], device="cuda")
+    o = torch.ops.slimcomm
+    torch.library.opcheck(o.significance_topk, (w, g, 10, "product"))
+    torch.library.opcheck(o.significance_topk_segmented, (w, g, [0, 400, 1000], [4, 6], "product"))
+    torch.library.opcheck(o.explore_sample, (1000, idx, 20, 3, 4))
+    torch.library.opcheck(o.explore_sample_segmented,
+                          ([0, 500, 1000], idx, [0, 72, idx.numel()], [5, 6], 3, [1, 2]))
+    torch.library.opcheck(o.pack, (g, idx))
+    torch.library.opcheck(o.unpack, (g.clone(), idx, w[:idx.numel()].clone(), True))
+    torch.library.opcheck(o.gather_slices, (W, r, c))
+    torch.library.opcheck(o.scatter_slices, (W.clone(), r, c, torch.randn(3, 2, device="cuda")))
+    torch.library.opcheck(o.gather_slices_multi, ([W, W[0].clone()], [r, r], [c, None]))
+    torch.library.opcheck(o.scatter_slices_multi,
+                          ([W.clone(), W[0].clone()], [r, r], [c, None], torch.randn(9, device="cuda")))
