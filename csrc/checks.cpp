@@ -84,6 +84,68 @@ void check_segments(const char* op, c10::IntArrayRef offsets, const char* offset
   }
 }
 
+std::vector<int64_t> check_explore_lists(const char* op, c10::IntArrayRef offsets,
+                                         const at::Tensor& exclude,
+                                         c10::IntArrayRef exclude_offsets, c10::IntArrayRef ms,
+                                         c10::IntArrayRef rng_offsets) {
+  check_index_tensor(op, "exclude", exclude);
+  const int64_t S = static_cast<int64_t>(ms.size());
+  SLIMCOMM_CHECK(offsets.size() == static_cast<size_t>(S + 1), op, "offsets",
+                 "must have len(ms) + 1 = ", S + 1, " entries, got ", offsets.size());
+  SLIMCOMM_CHECK(exclude_offsets.size() == static_cast<size_t>(S + 1), op, "exclude_offsets",
+                 "must have len(ms) + 1 = ", S + 1, " entries, got ", exclude_offsets.size());
+  SLIMCOMM_CHECK(rng_offsets.size() == static_cast<size_t>(S), op, "rng_offsets",
+                 "must have len(ms) = ", S, " entries, got ", rng_offsets.size());
+  SLIMCOMM_CHECK(exclude_offsets[0] == 0 && exclude_offsets[S] == exclude.numel(), op,
+                 "exclude_offsets", "must start at 0 and end at len(exclude) = ", exclude.numel(),
+                 ", got ", exclude_offsets[0], " .. ", exclude_offsets[S]);
+  SLIMCOMM_CHECK(offsets[0] >= 0, op, "offsets", "must start at >= 0, got ", offsets[0]);
+  std::vector<int64_t> out_off(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t lo = offsets[s], hi = offsets[s + 1];
+    SLIMCOMM_CHECK(hi >= lo, op, "offsets", "must be non-decreasing, but entry ", s + 1, " (", hi,
+                   ") < entry ", s, " (", lo, ")");
+    const int64_t e0 = exclude_offsets[s], e1 = exclude_offsets[s + 1];
+    SLIMCOMM_CHECK(e1 >= e0 && e1 <= exclude.numel(), op, "exclude_offsets",
+                   "must be non-decreasing within [0, len(exclude)], bad entry ", s + 1);
+    const int64_t avail = (hi - lo) - (e1 - e0);
+    SLIMCOMM_CHECK(ms[s] >= 0 && ms[s] <= avail, op, "ms", "entry ", s, " is ", ms[s],
+                   " but must be in [0, ", avail, "] (segment size minus excluded)");
+    out_off[s + 1] = out_off[s] + ms[s];
+  }
+  return out_off;
+}
+
+void check_pack_args(const char* op, const at::Tensor& src, const at::Tensor& indices) {
+  check_values(op, "src", src);
+  check_index_tensor(op, "indices", indices);
+  check_same(op, "indices", indices, "src", src, false);
+}
+
+void check_unpack_args(const char* op, const at::Tensor& dst, const at::Tensor& indices,
+                       const at::Tensor& values) {
+  check_values(op, "dst", dst);
+  check_index_tensor(op, "indices", indices);
+  check_values(op, "values", values);
+  check_same(op, "indices", indices, "dst", dst, false);
+  check_same(op, "values", values, "dst", dst);
+  SLIMCOMM_CHECK(values.numel() == indices.numel(), op, "values", "has ", values.numel(),
+                 " elements but 'indices' has ", indices.numel());
+}
+
+std::vector<int64_t> block_shape(const at::Tensor& weight, const SliceShape& s) {
+  if (weight.dim() == 1) return {s.rows};
+  return {s.rows, s.cols};
+}
+
+void check_block(const char* op, const at::Tensor& weight, const SliceShape& s,
+                 const at::Tensor& block) {
+  check_same(op, "block", block, "weight", weight);
+  auto want = block_shape(weight, s);
+  SLIMCOMM_CHECK(block.sizes() == c10::IntArrayRef(want), op, "block", "must have shape ",
+                 c10::IntArrayRef(want), " (the slice's shape), got ", block.sizes());
+}
+
 SliceShape check_slices(const char* op, const std::string& where, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols) {
   const std::string w = "weight" + where, r = "rows" + where, c = "cols" + where;

@@ -44,6 +44,14 @@ void check_index_range_cpu(const char* op, const char* arg, const at::Tensor& id
 void check_segments(const char* op, c10::IntArrayRef offsets, const char* offsets_arg,
                     c10::IntArrayRef counts, const char* counts_arg, int64_t n);
 
+// Checks the list arguments of explore_sample_segmented (lengths, segment and
+// exclude offsets, sample sizes) but not the contents of `exclude`; returns
+// each segment's output offset (S + 1 entries).
+std::vector<int64_t> check_explore_lists(const char* op, c10::IntArrayRef offsets,
+                                         const at::Tensor& exclude,
+                                         c10::IntArrayRef exclude_offsets, c10::IntArrayRef ms,
+                                         c10::IntArrayRef rng_offsets);
+
 // Shapes of gather_slices / scatter_slices after validation of ranks and devices.
 struct SliceShape {
   int64_t rows;      // rows of the block
@@ -52,6 +60,15 @@ struct SliceShape {
 };
 SliceShape check_slices(const char* op, const std::string& where, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols);
+// The block's shape: [rows] for a 1-D weight, [rows, cols] for a 2-D one.
+std::vector<int64_t> block_shape(const at::Tensor& weight, const SliceShape& s);
+// scatter_slices' block: same dtype/device as weight and exactly the slice's shape.
+void check_block(const char* op, const at::Tensor& weight, const SliceShape& s,
+                 const at::Tensor& block);
+// pack / unpack argument checks (ranks, dtypes, devices, lengths; not index ranges).
+void check_pack_args(const char* op, const at::Tensor& src, const at::Tensor& indices);
+void check_unpack_args(const char* op, const at::Tensor& dst, const at::Tensor& indices,
+                       const at::Tensor& values);
 
 // ---------------------------------------------------------------------------
 // Score order, shared by every backend. The score is |w|*|g|, |g| or |w| in

@@ -15,9 +15,7 @@ constexpr int64_t kGrain = 1 << 18;  // small gathers stay on one thread
 
 at::Tensor pack_cpu(const at::Tensor& src, const at::Tensor& indices) {
   const char* op = "pack";
-  check_values(op, "src", src);
-  check_index_tensor(op, "indices", indices);
-  check_same(op, "indices", indices, "src", src, false);
+  check_pack_args(op, src, indices);
   at::Tensor s = src.contiguous(), idx = indices.contiguous();
   check_index_range_cpu(op, "indices", idx, s.numel());
   at::Tensor out = at::empty({idx.numel()}, src.options());
@@ -35,13 +33,7 @@ at::Tensor pack_cpu(const at::Tensor& src, const at::Tensor& indices) {
 void unpack_cpu(const at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values,
                 bool accumulate) {
   const char* op = "unpack";
-  check_values(op, "dst", dst);
-  check_index_tensor(op, "indices", indices);
-  check_values(op, "values", values);
-  check_same(op, "indices", indices, "dst", dst, false);
-  check_same(op, "values", values, "dst", dst);
-  SLIMCOMM_CHECK(values.numel() == indices.numel(), op, "values", "has ", values.numel(),
-                 " elements but 'indices' has ", indices.numel());
+  check_unpack_args(op, dst, indices, values);
   at::Tensor idx = indices.contiguous(), v = values.contiguous();
   check_index_range_cpu(op, "indices", idx, dst.numel());
   at::Tensor d = dst.is_contiguous() ? dst : dst.contiguous();

@@ -512,33 +512,14 @@ at::Tensor explore_sample_segmented_cpu(c10::IntArrayRef offsets, const at::Tens
                                         c10::IntArrayRef exclude_offsets, c10::IntArrayRef ms,
                                         int64_t seed, c10::IntArrayRef rng_offsets) {
   const char* op = "explore_sample_segmented";
-  check_index_tensor(op, "exclude", exclude);
+  const std::vector<int64_t> out_off =
+      check_explore_lists(op, offsets, exclude, exclude_offsets, ms, rng_offsets);
   const int64_t S = static_cast<int64_t>(ms.size());
-  SLIMCOMM_CHECK(offsets.size() == static_cast<size_t>(S + 1), op, "offsets",
-                 "must have len(ms) + 1 = ", S + 1, " entries, got ", offsets.size());
-  SLIMCOMM_CHECK(exclude_offsets.size() == static_cast<size_t>(S + 1), op, "exclude_offsets",
-                 "must have len(ms) + 1 = ", S + 1, " entries, got ", exclude_offsets.size());
-  SLIMCOMM_CHECK(rng_offsets.size() == static_cast<size_t>(S), op, "rng_offsets",
-                 "must have len(ms) = ", S, " entries, got ", rng_offsets.size());
-  SLIMCOMM_CHECK(exclude_offsets[0] == 0 && exclude_offsets[S] == exclude.numel(), op,
-                 "exclude_offsets", "must start at 0 and end at len(exclude) = ", exclude.numel(),
-                 ", got ", exclude_offsets[0], " .. ", exclude_offsets[S]);
-  SLIMCOMM_CHECK(offsets[0] >= 0, op, "offsets", "must start at >= 0, got ", offsets[0]);
   at::Tensor ex = exclude.contiguous();
   const int64_t* pe = ex.data_ptr<int64_t>();
-  std::vector<int64_t> out_off(S + 1, 0);
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t lo = offsets[s], hi = offsets[s + 1];
-    SLIMCOMM_CHECK(hi >= lo, op, "offsets", "must be non-decreasing, but entry ", s + 1, " (", hi,
-                   ") < entry ", s, " (", lo, ")");
-    const int64_t e0 = exclude_offsets[s], e1 = exclude_offsets[s + 1];
-    SLIMCOMM_CHECK(e1 >= e0 && e1 <= exclude.numel(), op, "exclude_offsets",
-                   "must be non-decreasing within [0, len(exclude)], bad entry ", s + 1);
-    check_exclude(op, pe + e0, e1 - e0, lo, hi, s);
-    const int64_t avail = (hi - lo) - (e1 - e0);
-    SLIMCOMM_CHECK(ms[s] >= 0 && ms[s] <= avail, op, "ms", "entry ", s, " is ", ms[s],
-                   " but must be in [0, ", avail, "] (segment size minus excluded)");
-    out_off[s + 1] = out_off[s] + ms[s];
+    const int64_t e0 = exclude_offsets[s];
+    check_exclude(op, pe + e0, exclude_offsets[s + 1] - e0, offsets[s], offsets[s + 1], s);
   }
   at::Tensor out = at::empty({out_off[S]}, exclude.options());
   int64_t* po = out.data_ptr<int64_t>();

@@ -65,11 +65,6 @@ void run_slice(const at::Tensor& weight, const OptTensor& rows, const OptTensor&
   if (!to_block && !w.is_same(weight)) weight.copy_(w);
 }
 
-std::vector<int64_t> block_shape(const at::Tensor& weight, const SliceShape& s) {
-  if (weight.dim() == 1) return {s.rows};
-  return {s.rows, s.cols};
-}
-
 at::Tensor gather_slices_cpu(const at::Tensor& weight, const OptTensor& rows, const OptTensor& cols) {
   SliceShape s = check_slice_cpu("gather_slices", "", weight, rows, cols);
   at::Tensor out = at::empty(block_shape(weight, s), weight.options());
@@ -81,10 +76,7 @@ void scatter_slices_cpu(const at::Tensor& weight, const OptTensor& rows, const O
                         const at::Tensor& block) {
   const char* op = "scatter_slices";
   SliceShape s = check_slice_cpu(op, "", weight, rows, cols);
-  check_same(op, "block", block, "weight", weight);
-  auto want = block_shape(weight, s);
-  SLIMCOMM_CHECK(block.sizes() == c10::IntArrayRef(want), op, "block", "must have shape ",
-                 c10::IntArrayRef(want), " (the slice's shape), got ", block.sizes());
+  check_block(op, weight, s, block);
   at::Tensor b = block.contiguous();
   run_slice(weight, rows, cols, s, b.data_ptr(), false);
 }

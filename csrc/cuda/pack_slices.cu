@@ -90,9 +90,7 @@ __global__ void __launch_bounds__(kBlock)
 
 at::Tensor pack_cuda(const at::Tensor& src, const at::Tensor& indices) {
   const char* op = "pack";
-  check_values(op, "src", src);
-  check_index_tensor(op, "indices", indices);
-  check_same(op, "indices", indices, "src", src, false);
+  check_pack_args(op, src, indices);
   c10::cuda::CUDAGuard guard(src.device());
   at::Tensor idx = indices.contiguous();
   check_index_ranges_cuda(op, {{"indices", idx, src.numel()}});
@@ -111,13 +109,7 @@ at::Tensor pack_cuda(const at::Tensor& src, const at::Tensor& indices) {
 void unpack_cuda(const at::Tensor& dst, const at::Tensor& indices, const at::Tensor& values,
                  bool accumulate) {
   const char* op = "unpack";
-  check_values(op, "dst", dst);
-  check_index_tensor(op, "indices", indices);
-  check_values(op, "values", values);
-  check_same(op, "indices", indices, "dst", dst, false);
-  check_same(op, "values", values, "dst", dst);
-  SLIMCOMM_CHECK(values.numel() == indices.numel(), op, "values", "has ", values.numel(),
-                 " elements but 'indices' has ", indices.numel());
+  check_unpack_args(op, dst, indices, values);
   c10::cuda::CUDAGuard guard(dst.device());
   at::Tensor idx = indices.contiguous(), v = values.contiguous();
   check_index_ranges_cuda(op, {{"indices", idx, dst.numel()}});
@@ -214,11 +206,6 @@ void run_slice(const at::Tensor& weight, const at::Tensor& rows, const at::Tenso
   });
 }
 
-std::vector<int64_t> block_shape(const at::Tensor& weight, const SliceShape& s) {
-  if (weight.dim() == 1) return {s.rows};
-  return {s.rows, s.cols};
-}
-
 // Contiguous index tensors of one slice (undefined = all).
 struct SliceIdx {
   at::Tensor rows, cols;
@@ -252,10 +239,7 @@ void scatter_slices_cuda(const at::Tensor& weight, const OptTensor& rows, const 
                          const at::Tensor& block) {
   const char* op = "scatter_slices";
   SliceShape s = check_slices(op, "", weight, rows, cols);
-  check_same(op, "block", block, "weight", weight);
-  auto want = block_shape(weight, s);
-  SLIMCOMM_CHECK(block.sizes() == c10::IntArrayRef(want), op, "block", "must have shape ",
-                 c10::IntArrayRef(want), " (the slice's shape), got ", block.sizes());
+  check_block(op, weight, s, block);
   c10::cuda::CUDAGuard guard(weight.device());
   SliceIdx ix = slice_idx(rows, cols);
   std::vector<RangeCheck> checks;

@@ -881,29 +881,7 @@ at::Tensor explore_sample_segmented_cuda(c10::IntArrayRef offsets, const at::Ten
                                          c10::IntArrayRef exclude_offsets, c10::IntArrayRef ms,
                                          int64_t seed, c10::IntArrayRef rng_offsets) {
   const char* op = "explore_sample_segmented";
-  check_index_tensor(op, "exclude", exclude);
-  const int64_t S = static_cast<int64_t>(ms.size());
-  SLIMCOMM_CHECK(offsets.size() == static_cast<size_t>(S + 1), op, "offsets",
-                 "must have len(ms) + 1 = ", S + 1, " entries, got ", offsets.size());
-  SLIMCOMM_CHECK(exclude_offsets.size() == static_cast<size_t>(S + 1), op, "exclude_offsets",
-                 "must have len(ms) + 1 = ", S + 1, " entries, got ", exclude_offsets.size());
-  SLIMCOMM_CHECK(rng_offsets.size() == static_cast<size_t>(S), op, "rng_offsets",
-                 "must have len(ms) = ", S, " entries, got ", rng_offsets.size());
-  SLIMCOMM_CHECK(exclude_offsets[0] == 0 && exclude_offsets[S] == exclude.numel(), op,
-                 "exclude_offsets", "must start at 0 and end at len(exclude) = ", exclude.numel(),
-                 ", got ", exclude_offsets[0], " .. ", exclude_offsets[S]);
-  SLIMCOMM_CHECK(offsets[0] >= 0, op, "offsets", "must start at >= 0, got ", offsets[0]);
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t lo = offsets[s], hi = offsets[s + 1];
-    SLIMCOMM_CHECK(hi >= lo, op, "offsets", "must be non-decreasing, but entry ", s + 1, " (", hi,
-                   ") < entry ", s, " (", lo, ")");
-    const int64_t e0 = exclude_offsets[s], e1 = exclude_offsets[s + 1];
-    SLIMCOMM_CHECK(e1 >= e0 && e1 <= exclude.numel(), op, "exclude_offsets",
-                   "must be non-decreasing within [0, len(exclude)], bad entry ", s + 1);
-    const int64_t avail = (hi - lo) - (e1 - e0);
-    SLIMCOMM_CHECK(ms[s] >= 0 && ms[s] <= avail, op, "ms", "entry ", s, " is ", ms[s],
-                   " but must be in [0, ", avail, "] (segment size minus excluded)");
-  }
+  check_explore_lists(op, offsets, exclude, exclude_offsets, ms, rng_offsets);
   c10::cuda::CUDAGuard guard(exclude.device());
   at::Tensor ex = exclude.contiguous();
   check_exclude_cuda(op, ex, offsets, exclude_offsets, false);
