@@ -6,7 +6,8 @@
 # - Second venv .venv-cuda with torch 2.14.1+cu130 (installs from local disk).
 # - Builds in a COPY of the tree (default /tmp/slimcomm-cuda-build), so the
 #   in-place build never overwrites the CPU build's slimcomm/_C*.so in the
-#   checkout; the copy keeps its build/ folder, so reruns are incremental.
+#   checkout; the copy keeps its build/ folder and only changed files are
+#   re-copied, so reruns recompile exactly what changed.
 # - Checks that the module loads, reports cuda: true, and that every op has a
 #   CUDA kernel from csrc/cuda (not the "built without CUDA" stub).
 #
@@ -36,13 +37,27 @@ export SLIMCOMM_FORCE_CUDA=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-8.0;9.0+PTX}
 export MAX_JOBS=${MAX_JOBS:-2}
 
-# Copy the tracked (and untracked, not ignored) files, keeping mtimes so that
-# ninja only recompiles what changed since the last build in $BUILD_DIR.
+# Sync the tracked (and untracked, not ignored) files into $BUILD_DIR: a file
+# is copied (with a fresh mtime) only when its content changed, so ninja
+# recompiles exactly what changed since the last build there; sources that no
+# longer exist are removed.
 mkdir -p "$BUILD_DIR"
-rm -rf "$BUILD_DIR/csrc" "$BUILD_DIR/slimcomm"
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
 git ls-files -z --cached --others --exclude-standard \
   | xargs -0 -I{} sh -c 'test -f "{}" && printf "%s\0" "{}"' \
-  | tar --null -cf - -T - | tar -xf - -C "$BUILD_DIR"
+  | tar --null -cf - -T - | tar -xf - -C "$STAGE"
+(cd "$STAGE" && find . -type f -print0) | while IFS= read -r -d '' f; do
+  if ! cmp -s "$STAGE/$f" "$BUILD_DIR/$f"; then
+    mkdir -p "$(dirname "$BUILD_DIR/$f")"
+    cp "$STAGE/$f" "$BUILD_DIR/$f"
+  fi
+done
+for d in csrc slimcomm tests bench; do
+  [ -d "$BUILD_DIR/$d" ] || continue
+  (cd "$BUILD_DIR" && find "$d" -type f ! -name '*.so' ! -path '*/__pycache__/*' -print0) \
+    | while IFS= read -r -d '' f; do [ -e "$STAGE/$f" ] || rm -f "$BUILD_DIR/$f"; done
+done
 
 cd "$BUILD_DIR"
 echo "build_cuda: building in $BUILD_DIR (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
