@@ -479,19 +479,17 @@ class SlimDPState:
         device = bucket.buffer().device
         if device.type != "cpu":
             vals = vals.to(device)
-        both = torch.cat([vals, -vals])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=_group(self))
+        hi, lo = _max_min_across_ranks(vals, _group(self))
         if failed:
             raise error
-        both = both.tolist()
-        n = len(items)
-        if both[0] != 0:
+        hi, lo = hi.tolist(), lo.tolist()
+        if hi[0] != 0:
             raise RuntimeError(
                 f"SlimDPState: another rank could not map bucket {bucket.index()} to its "
                 f"Slim-DP state (see the error raised on that rank, e.g. a state that is not "
                 f"attached or attached to another model); no rank can proceed"
             )
-        differ = [name for i, name in enumerate(items) if both[i] != -both[n + i]]
+        differ = [name for i, name in enumerate(items) if hi[i] != lo[i]]
         if differ:
             raise RuntimeError(
                 f"SlimDPState differs across ranks for bucket {bucket.index()} (parameters "
@@ -1019,13 +1017,21 @@ def _check_agreement(state, layout, bucket, group, idx) -> int:
     w = torch.arange(1, k + 1, dtype=torch.int64, device=idx.device)
     sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(),
                         torch.tensor(k, dtype=torch.int64, device=idx.device)])
-    both = torch.cat([sums, -sums])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(both[:4], -both[4:]):
+    hi, lo = _max_min_across_ranks(sums, group)
+    if not torch.equal(hi, lo):
         raise RuntimeError(
             f"Slim-DP index sets differ across ranks in bucket {bucket.index()} (parameters "
             f"{layout.names}) at step {state.step}: the weights or the global gradient "
             f"estimate G diverged between ranks (different initial weights, a "
             f"non-deterministic optimizer, or state loaded from another rank's checkpoint)"
         )
-    return both.numel() * both.element_size()
+    return 2 * sums.numel() * sums.element_size()
+
+
+def _max_min_across_ranks(vals: torch.Tensor, group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise max and min of an int64 tensor over all ranks, in one all-reduce
+    (MAX of ``[x, -x]``); equal max and min mean every rank holds the same value."""
+    both = torch.cat([vals, -vals])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = vals.numel()
+    return both[:n], -both[n:]
