@@ -112,15 +112,43 @@ def explore_keys(n: int, seed: int, offset: int) -> np.ndarray:
     return keys[:n]
 
 
+def _scale_draws(keys: np.ndarray, a: int) -> np.ndarray:
+    """``floor(key * a / 2**64)`` for uint64 keys, exactly (uint64 array)."""
+    if a < 2**32:  # (hi * a + (lo * a >> 32)) >> 32 never overflows 64 bits here
+        hi, lo = keys >> np.uint64(32), keys & _MASK32
+        return (hi * np.uint64(a) + ((lo * np.uint64(a)) >> np.uint64(32))) >> np.uint64(32)
+    return np.array([(int(k) * a) >> 64 for k in keys], dtype=np.uint64)
+
+
 def explore_sample(n, exclude, m, seed, offset):
-    """Reference explore sample: the ``m`` smallest (key, index) outside ``exclude``."""
-    keys = explore_keys(n, seed, offset)
-    allowed = np.ones(n, dtype=bool)
-    allowed[exclude.cpu().numpy()] = False
-    cand = np.nonzero(allowed)[0]
-    order = np.lexsort((cand, keys[cand]))  # primary key: keys, then index
-    chosen = np.sort(cand[order[:m]])
-    return torch.from_numpy(chosen.astype(np.int64)).to(exclude.device)
+    """Reference explore sample, straight from the definition in ``ops.explore_sample``.
+
+    Draw ``j`` is the rank ``d_j = floor(key_j * a / 2**64)`` among the
+    ``a = n - len(exclude)`` non-excluded indices; the first ``t`` distinct
+    draws are kept (``t = m``, or ``a - m`` whose complement is returned when
+    ``2m > a``) and the ranks mapped to indices.
+    """
+    ex = exclude.cpu().numpy().astype(np.int64)
+    a = n - len(ex)
+    if m == a:
+        ranks = np.arange(a, dtype=np.int64)
+    elif m == 0:
+        ranks = np.zeros(0, dtype=np.int64)
+    else:
+        complement = 2 * m > a
+        t = a - m if complement else m
+        draws = 2 * t + 64
+        while True:
+            d = _scale_draws(explore_keys(draws, seed, offset), a)
+            values, first = np.unique(d, return_index=True)
+            if len(values) >= t:
+                break
+            draws *= 2
+        kept = np.sort(d[np.sort(first)[:t]].astype(np.int64))
+        ranks = np.setdiff1d(np.arange(a, dtype=np.int64), kept) if complement else kept
+    # rank r -> index r + #{e : ex[e] - e <= r}
+    index = ranks + np.searchsorted(ex - np.arange(len(ex)), ranks, side="right")
+    return torch.from_numpy(index.astype(np.int64)).to(exclude.device)
 
 
 def explore_sample_segmented(offsets, exclude, exclude_offsets, ms, seed, rng_offsets):

@@ -162,6 +162,60 @@ def test_explore_keys_match_reference_philox():
     assert [int(x) for x in ones] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
 
 
+def _explore_by_definition(n, exclude, m, seed, offset):
+    """ops.explore_sample's definition, one draw at a time in plain Python
+    (independent of the vectorised reference)."""
+    ex = [int(e) for e in exclude]
+    allowed = [i for i in range(n) if i not in set(ex)] if n < 10**6 else None
+    a = n - len(ex)
+    complement = 2 * m > a
+    t = a - m if complement else m
+    kept, j, seen = [], 0, set()
+    while len(kept) < t:
+        p = j >> 1
+        ctr = np.array([[p & 0xFFFFFFFF, p >> 32, offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF]],
+                       dtype=np.uint32)
+        w = [int(x) for x in ref.philox4x32_10(ctr, (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))[0]]
+        key = (w[0] << 32 | w[1]) if j % 2 == 0 else (w[2] << 32 | w[3])
+        d = (key * a) >> 64
+        if d not in seen:
+            seen.add(d)
+            kept.append(d)
+        j += 1
+    ranks = sorted(set(range(a)) - seen) if complement else sorted(kept)
+    if allowed is not None:
+        return [allowed[r] for r in ranks]
+    out = []
+    for r in ranks:  # r-th non-excluded index
+        i = r
+        for e in ex:
+            if e <= i:
+                i += 1
+        out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("n,ex,m,seed,offset", [
+    (1, [], 1, 0, 0), (2, [], 1, 3, 4), (10, [2, 3, 9], 3, 7, 1), (10, [2, 3, 9], 4, 7, 1),
+    (10, [2, 3, 9], 6, 2**64 - 1, 2**63), (300, [0, 1, 150, 299], 29, 11, 12),
+    (300, list(range(0, 300, 3)), 150, 5, 6), (1000, [], 999, 1, 1),
+    (2**33 + 5, [0, 7, 2**32, 2**33], 6, 3, 9),  # hash-set path, ranks past 2^32
+])
+def test_explore_sample_follows_its_definition(n, ex, m, seed, offset):
+    exclude = torch.tensor(ex, dtype=torch.int64)
+    out = ops.explore_sample(n, exclude, m, seed, offset)
+    assert out.tolist() == _explore_by_definition(n, ex, m, seed, offset)
+
+
+@pytest.mark.parametrize("m", [63, 64, 65, 640])
+def test_explore_sample_bitmap_and_hash_paths_agree_with_reference(m):
+    # The kernel switches from a bitmap to a hash set when the sample is tiny
+    # against the range; the result must not depend on the path.
+    n = 1024 * 64 + 17  # 1025 bitmap words: m <= 64 takes the hash set, m >= 65 the bitmap
+    ex = torch.empty(0, dtype=torch.int64)
+    assert torch.equal(ops.explore_sample(n, ex, m, 4, 5), ref.explore_sample(n, ex, m, 4, 5))
+
+
 @pytest.mark.parametrize("layout_seed", range(5))
 def test_explore_sample_segmented_equals_per_segment(layout_seed):
     rng = np.random.default_rng(100 + layout_seed)

@@ -9,11 +9,10 @@
 //      offsets known from pass 1, so both lists come out ascending by index.
 //   The candidates are resolved exactly by (key desc, index asc) with
 //   nth_element and merged with the certain list.
-// explore_sample: one pass computing the Philox key of every index and keeping
-//   those under a threshold chosen so that, with overwhelming probability, at
-//   least m non-excluded indices pass; the m smallest (key, index) are then
-//   selected exactly. If too few passed, the threshold is raised and the pass
-//   repeated, so the result is always the exact m smallest keys.
+// explore_sample: Philox draws scaled to ranks among the non-excluded indices,
+//   the first distinct ones kept (a bitmap, or a hash set when the sample is
+//   tiny against the range), O(m) draws instead of a key per index; the
+//   ranks are mapped to indices by a merge with the sorted exclude list.
 #include "common.h"
 
 #include <ATen/ATen.h>
@@ -281,65 +280,45 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_cpu(const at::Tensor& weigh
 // ---------------------------------------------------------------------------
 // explore_sample
 // ---------------------------------------------------------------------------
+// Definition (ops.explore_sample): with a = n - |exclude| and t = m, or a - m
+// when 2m > a (then the complement is sampled), draw j = 0, 1, ... is the rank
+// d_j = mulhi64(explore_key(j), a) among the non-excluded indices; the first t
+// distinct ranks are R; the result is R (or [0, a) \ R) mapped to indices.
 
-struct KeyIdx {
-  uint64_t key;
-  int64_t idx;
-  bool operator<(const KeyIdx& o) const { return key < o.key || (key == o.key && idx < o.idx); }
-};
-
-inline bool excluded(const int64_t* ex, int64_t ne, int64_t i) {
-  return std::binary_search(ex, ex + ne, i);
+// High 64 bits of u * a: a uniform 64-bit u scaled to [0, a).
+inline uint64_t scale_draw(uint64_t u, uint64_t a) {
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(u) * a) >> 64);
 }
 
-// Appends (key, index) for every index of the pair-aligned range [lo, hi) (lo
-// even) whose explore key is below `limit` and that is not excluded.
-void keys_below_scalar(int64_t lo, int64_t hi, uint64_t seed, uint64_t offset, uint64_t limit,
-                       const int64_t* ex, int64_t ne, std::vector<KeyIdx>& out) {
-  for (int64_t i = lo; i < hi; ++i) {
-    const uint64_t key = explore_key(static_cast<uint64_t>(i), seed, offset);
-    if (key < limit && !excluded(ex, ne, i)) out.push_back({key, i});
-  }
-}
-
-// Appends the hits of one block in ascending index order: lane l covers the
-// pair (i + 2l, i + 2l + 1); bit l of me / mo marks a hit of the even / odd index.
-inline void emit_hits(int64_t i, unsigned me, unsigned mo, const uint64_t* ke, const uint64_t* ko,
-                      const int64_t* ex, int64_t ne, std::vector<KeyIdx>& out) {
-  for (unsigned both = me | mo; both != 0; both &= both - 1) {
-    const int l = __builtin_ctz(both);
-    const int64_t j = i + 2 * l;
-    if (((me >> l) & 1) && !excluded(ex, ne, j)) out.push_back({ke[l], j});
-    if (((mo >> l) & 1) && !excluded(ex, ne, j + 1)) out.push_back({ko[l], j + 1});
+// Keys of draws [j0, j0 + count) into out (j0 and count even): one Philox call
+// per pair of draws.
+void draw_keys_scalar(uint64_t j0, int64_t count, uint64_t seed, uint64_t offset, uint64_t* out) {
+  for (int64_t i = 0; i < count; i += 2) {
+    const uint64_t p = (j0 + static_cast<uint64_t>(i)) >> 1;
+    const Philox4 o = philox4x32_10(static_cast<uint32_t>(p), static_cast<uint32_t>(p >> 32),
+                                    static_cast<uint32_t>(offset),
+                                    static_cast<uint32_t>(offset >> 32),
+                                    static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+    out[i] = (static_cast<uint64_t>(o.x[0]) << 32) | o.x[1];
+    out[i + 1] = (static_cast<uint64_t>(o.x[2]) << 32) | o.x[3];
   }
 }
 
 #if defined(__x86_64__)
-// Bit l set when unsigned lane l of v is below the limit (a signed compare
-// after flipping the sign bits; `lim` is already flipped).
-__attribute__((target("avx2"))) inline int below_mask(__m256i v, __m256i lim, __m256i sign) {
-  return _mm256_movemask_pd(
-      _mm256_castsi256_pd(_mm256_cmpgt_epi64(lim, _mm256_xor_si256(v, sign))));
-}
-
-// The same with AVX2: Philox4x32-10 on 8 counters (pairs) at a time, each
-// 32-bit word held in a 64-bit lane so _mm256_mul_epu32 gives the full product.
-__attribute__((target("avx2"))) void keys_below_avx2(int64_t lo, int64_t hi, uint64_t seed,
-                                                     uint64_t offset, uint64_t limit,
-                                                     const int64_t* ex, int64_t ne,
-                                                     std::vector<KeyIdx>& out) {
+// The same with AVX2: Philox4x32-10 on 4 counters (pairs) per vector, two
+// vectors per iteration, each 32-bit word held in a 64-bit lane so that
+// _mm256_mul_epu32 gives the full 64-bit product. count % 16 == 0.
+__attribute__((target("avx2"))) void draw_keys_avx2(uint64_t j0, int64_t count, uint64_t seed,
+                                                    uint64_t offset, uint64_t* out) {
   const __m256i m0 = _mm256_set1_epi64x(kPhiloxM0), m1 = _mm256_set1_epi64x(kPhiloxM1);
   const __m256i low = _mm256_set1_epi64x(0xFFFFFFFFll);
-  const __m256i sign = _mm256_set1_epi64x(static_cast<int64_t>(0x8000000000000000ull));
-  const __m256i lim = _mm256_xor_si256(_mm256_set1_epi64x(static_cast<int64_t>(limit)), sign);
   const __m256i lane = _mm256_set_epi64x(3, 2, 1, 0);
   const __m256i c2init = _mm256_set1_epi64x(static_cast<uint32_t>(offset));
   const __m256i c3init = _mm256_set1_epi64x(static_cast<uint32_t>(offset >> 32));
-  int64_t i = lo;
-  for (; i + 16 <= hi; i += 16) {
-    const int64_t p = i >> 1;
-    __m256i pa = _mm256_add_epi64(_mm256_set1_epi64x(p), lane);
-    __m256i pb = _mm256_add_epi64(_mm256_set1_epi64x(p + 4), lane);
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t p = static_cast<int64_t>((j0 + static_cast<uint64_t>(i)) >> 1);
+    const __m256i pa = _mm256_add_epi64(_mm256_set1_epi64x(p), lane);
+    const __m256i pb = _mm256_add_epi64(_mm256_set1_epi64x(p + 4), lane);
     __m256i a0 = pa, a1 = _mm256_srli_epi64(pa, 32), a2 = c2init, a3 = c3init;
     __m256i b0 = pb, b1 = _mm256_srli_epi64(pb, 32), b2 = c2init, b3 = c3init;
     uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
@@ -360,41 +339,37 @@ __attribute__((target("avx2"))) void keys_below_avx2(int64_t lo, int64_t hi, uin
       k0 += kPhiloxW0;
       k1 += kPhiloxW1;
     }
-    const __m256i ea = _mm256_or_si256(_mm256_slli_epi64(a0, 32), _mm256_and_si256(a1, low));
-    const __m256i oa = _mm256_or_si256(_mm256_slli_epi64(a2, 32), _mm256_and_si256(a3, low));
-    const __m256i eb = _mm256_or_si256(_mm256_slli_epi64(b0, 32), _mm256_and_si256(b1, low));
-    const __m256i ob = _mm256_or_si256(_mm256_slli_epi64(b2, 32), _mm256_and_si256(b3, low));
-    const int me_a = below_mask(ea, lim, sign), mo_a = below_mask(oa, lim, sign);
-    const int me_b = below_mask(eb, lim, sign), mo_b = below_mask(ob, lim, sign);
-    if ((me_a | mo_a | me_b | mo_b) == 0) continue;
     alignas(32) uint64_t ke[8], ko[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ke), ea);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ke + 4), eb);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ko), oa);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(ko + 4), ob);
-    const int me = me_a | (me_b << 4), mo = mo_a | (mo_b << 4);
-    emit_hits(i, me, mo, ke, ko, ex, ne, out);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ke),
+                       _mm256_or_si256(_mm256_slli_epi64(a0, 32), _mm256_and_si256(a1, low)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ke + 4),
+                       _mm256_or_si256(_mm256_slli_epi64(b0, 32), _mm256_and_si256(b1, low)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ko),
+                       _mm256_or_si256(_mm256_slli_epi64(a2, 32), _mm256_and_si256(a3, low)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ko + 4),
+                       _mm256_or_si256(_mm256_slli_epi64(b2, 32), _mm256_and_si256(b3, low)));
+    for (int l = 0; l < 8; ++l) {
+      out[i + 2 * l] = ke[l];
+      out[i + 2 * l + 1] = ko[l];
+    }
   }
-  keys_below_scalar(i, hi, seed, offset, limit, ex, ne, out);
 }
-#endif
 
-#if defined(__x86_64__)
 // The same with AVX-512F: 16 counters (pairs) per iteration in two 8-lane
-// vectors; AVX-512 has the unsigned 64-bit compare, so no sign flipping.
-__attribute__((target("avx512f"))) void keys_below_avx512(int64_t lo, int64_t hi, uint64_t seed,
-                                                          uint64_t offset, uint64_t limit,
-                                                          const int64_t* ex, int64_t ne,
-                                                          std::vector<KeyIdx>& out) {
+// vectors. count % 32 == 0.
+__attribute__((target("avx512f"))) void draw_keys_avx512(uint64_t j0, int64_t count,
+                                                         uint64_t seed, uint64_t offset,
+                                                         uint64_t* out) {
   const __m512i m0 = _mm512_set1_epi64(kPhiloxM0), m1 = _mm512_set1_epi64(kPhiloxM1);
   const __m512i low = _mm512_set1_epi64(0xFFFFFFFFll);
-  const __m512i lim = _mm512_set1_epi64(static_cast<int64_t>(limit));
   const __m512i lane = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i c2init = _mm512_set1_epi64(static_cast<uint32_t>(offset));
   const __m512i c3init = _mm512_set1_epi64(static_cast<uint32_t>(offset >> 32));
-  int64_t i = lo;
-  for (; i + 32 <= hi; i += 32) {
-    const int64_t p = i >> 1;
+  // Interleave even (first operand) and odd (second operand) keys of lanes 0-3 / 4-7.
+  const __m512i lo_pairs = _mm512_set_epi64(11, 3, 10, 2, 9, 1, 8, 0);
+  const __m512i hi_pairs = _mm512_set_epi64(15, 7, 14, 6, 13, 5, 12, 4);
+  for (int64_t i = 0; i < count; i += 32) {
+    const int64_t p = static_cast<int64_t>((j0 + static_cast<uint64_t>(i)) >> 1);
     const __m512i pa = _mm512_add_epi64(_mm512_set1_epi64(p), lane);
     const __m512i pb = _mm512_add_epi64(_mm512_set1_epi64(p + 8), lane);
     __m512i a0 = pa, a1 = _mm512_srli_epi64(pa, 32), a2 = c2init, a3 = c3init;
@@ -419,80 +394,114 @@ __attribute__((target("avx512f"))) void keys_below_avx512(int64_t lo, int64_t hi
     const __m512i oa = _mm512_or_si512(_mm512_slli_epi64(a2, 32), _mm512_and_si512(a3, low));
     const __m512i eb = _mm512_or_si512(_mm512_slli_epi64(b0, 32), _mm512_and_si512(b1, low));
     const __m512i ob = _mm512_or_si512(_mm512_slli_epi64(b2, 32), _mm512_and_si512(b3, low));
-    const unsigned me = _mm512_cmplt_epu64_mask(ea, lim) | (_mm512_cmplt_epu64_mask(eb, lim) << 8);
-    const unsigned mo = _mm512_cmplt_epu64_mask(oa, lim) | (_mm512_cmplt_epu64_mask(ob, lim) << 8);
-    if ((me | mo) == 0) continue;
-    alignas(64) uint64_t ke[16], ko[16];
-    _mm512_store_si512(ke, ea);
-    _mm512_store_si512(ke + 8, eb);
-    _mm512_store_si512(ko, oa);
-    _mm512_store_si512(ko + 8, ob);
-    emit_hits(i, me, mo, ke, ko, ex, ne, out);
+    _mm512_storeu_si512(out + i, _mm512_permutex2var_epi64(ea, lo_pairs, oa));
+    _mm512_storeu_si512(out + i + 8, _mm512_permutex2var_epi64(ea, hi_pairs, oa));
+    _mm512_storeu_si512(out + i + 16, _mm512_permutex2var_epi64(eb, lo_pairs, ob));
+    _mm512_storeu_si512(out + i + 24, _mm512_permutex2var_epi64(eb, hi_pairs, ob));
   }
-  keys_below_scalar(i, hi, seed, offset, limit, ex, ne, out);
 }
 #endif
 
-void keys_below(int64_t lo, int64_t hi, uint64_t seed, uint64_t offset, uint64_t limit,
-                const int64_t* ex, int64_t ne, std::vector<KeyIdx>& out) {
+constexpr int64_t kDrawBatch = 256;  // draws per key batch: a multiple of 32
+
+// Keys of draws [j0, j0 + kDrawBatch) into out.
+void draw_keys(uint64_t j0, uint64_t seed, uint64_t offset, uint64_t* out) {
 #if defined(__x86_64__)
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2");
-  if (avx512) return keys_below_avx512(lo, hi, seed, offset, limit, ex, ne, out);
-  if (avx2) return keys_below_avx2(lo, hi, seed, offset, limit, ex, ne, out);
+  if (avx512) return draw_keys_avx512(j0, kDrawBatch, seed, offset, out);
+  if (avx2) return draw_keys_avx2(j0, kDrawBatch, seed, offset, out);
 #endif
-  keys_below_scalar(lo, hi, seed, offset, limit, ex, ne, out);
+  draw_keys_scalar(j0, kDrawBatch, seed, offset, out);
+}
+
+// Calls take(d) with the draws d_0, d_1, ... of [0, a) until it returns true.
+template <typename Take>
+void for_each_draw(uint64_t a, uint64_t seed, uint64_t offset, Take&& take) {
+  alignas(64) uint64_t keys[kDrawBatch];
+  for (uint64_t j0 = 0;; j0 += kDrawBatch) {
+    draw_keys(j0, seed, offset, keys);
+    for (int64_t i = 0; i < kDrawBatch; ++i)
+      if (take(scale_draw(keys[i], a))) return;
+  }
+}
+
+// Maps ranks (non-excluded positions), visited in ascending order, to indices:
+// rank r is index r + #{e : ex[e] - e <= r}.
+struct RankToIndex {
+  const int64_t* ex;
+  int64_t ne, e = 0;
+  int64_t operator()(int64_t r) {
+    while (e < ne && ex[e] - e <= r) ++e;
+    return r + e;
+  }
+};
+
+// The first t distinct draws of [0, a) as a bitmap of ceil(a / 64) words.
+std::vector<uint64_t> distinct_draws_bitmap(int64_t a, int64_t t, uint64_t seed,
+                                            uint64_t offset) {
+  std::vector<uint64_t> bits(static_cast<size_t>((a + 63) >> 6), 0);
+  int64_t found = 0;
+  for_each_draw(static_cast<uint64_t>(a), seed, offset, [&](uint64_t d) {
+    uint64_t& w = bits[d >> 6];
+    const uint64_t b = uint64_t(1) << (d & 63);
+    if (!(w & b)) {
+      w |= b;
+      ++found;
+    }
+    return found == t;
+  });
+  return bits;
+}
+
+// The first t distinct draws of [0, a), ascending, via an open-addressing
+// hash set (for t much smaller than a, where a bitmap would cost O(a)).
+std::vector<int64_t> distinct_draws_sorted(int64_t a, int64_t t, uint64_t seed,
+                                           uint64_t offset) {
+  size_t cap = 16;
+  while (cap < static_cast<size_t>(2 * t)) cap <<= 1;
+  const uint64_t kEmpty = ~uint64_t(0);  // never a rank: a < 2^63
+  std::vector<uint64_t> table(cap, kEmpty);
+  std::vector<int64_t> kept;
+  kept.reserve(static_cast<size_t>(t));
+  for_each_draw(static_cast<uint64_t>(a), seed, offset, [&](uint64_t d) {
+    for (size_t h = mix64(d) & (cap - 1);; h = (h + 1) & (cap - 1)) {
+      if (table[h] == d) return false;
+      if (table[h] == kEmpty) {
+        table[h] = d;
+        kept.push_back(static_cast<int64_t>(d));
+        return static_cast<int64_t>(kept.size()) == t;
+      }
+    }
+  });
+  std::sort(kept.begin(), kept.end());
+  return kept;
 }
 
 // Writes the m selected indices of [0, n) \ exclude, ascending, to out (+ base).
 void explore_select(int64_t n, const int64_t* ex, int64_t ne, int64_t m, uint64_t seed,
-                    uint64_t offset, int64_t base, int64_t* out, bool parallel) {
+                    uint64_t offset, int64_t base, int64_t* out) {
   if (m == 0) return;
-  const int64_t avail = n - ne;
-  if (m == avail) {  // everything that is left, no randomness needed
-    int64_t o = 0, j = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (j < ne && ex[j] == i) { ++j; continue; }
-      out[o++] = base + i;
+  const int64_t a = n - ne;
+  RankToIndex index{ex, ne};
+  int64_t o = 0;
+  if (m == a) {  // everything that is left, no randomness needed
+    for (int64_t r = 0; r < a; ++r) out[o++] = base + index(r);
+    return;
+  }
+  const bool complement = 2 * m > a;
+  const int64_t t = complement ? a - m : m;
+  const int64_t words = (a + 63) >> 6;
+  if (complement || words <= 16 * t) {
+    const std::vector<uint64_t> bits = distinct_draws_bitmap(a, t, seed, offset);
+    for (int64_t w = 0; w < words; ++w) {
+      uint64_t x = complement ? ~bits[w] : bits[w];
+      if (w == words - 1 && (a & 63)) x &= (uint64_t(1) << (a & 63)) - 1;
+      for (; x != 0; x &= x - 1) out[o++] = base + index(w * 64 + __builtin_ctzll(x));
     }
     return;
   }
-  // Threshold on the uniform 64-bit key: expected m + 8 sqrt(m) + 64 hits.
-  double q = (static_cast<double>(m) + 8.0 * std::sqrt(static_cast<double>(m)) + 64.0) /
-             static_cast<double>(avail);
-  const int64_t chunks = parallel ? num_chunks(n) : 1;
-  // Chunks are aligned to pairs so that each Philox call belongs to one chunk.
-  const int64_t chunk_len = ((n + chunks - 1) / chunks + 1) & ~int64_t(1);
-  std::vector<KeyIdx> cand;
-  for (;;) {
-    const uint64_t limit =
-        q >= 0.99 ? ~uint64_t(0) : static_cast<uint64_t>(std::ldexp(q, 64));
-    std::vector<std::vector<KeyIdx>> parts(chunks);
-    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t lo = c * chunk_len, hi = std::min(n, lo + chunk_len);
-        if (lo >= hi) continue;
-        parts[c].reserve(static_cast<size_t>((hi - lo) * std::min(1.0, q) * 1.1 + 16));
-        keys_below(lo, hi, seed, offset, limit, ex, ne, parts[c]);
-      }
-    });
-    cand.clear();
-    for (auto& p : parts) cand.insert(cand.end(), p.begin(), p.end());
-    if (static_cast<int64_t>(cand.size()) >= m || q >= 0.99) break;
-    q = std::min(1.0, q * 4.0);  // deterministic retry: still the exact m smallest keys
-  }
-  // cand is in ascending index order: find the m-th smallest key, then keep,
-  // in index order, every smaller key and the lowest-index ties of it.
-  std::vector<uint64_t> keys(cand.size());
-  for (size_t i = 0; i < cand.size(); ++i) keys[i] = cand[i].key;
-  std::nth_element(keys.begin(), keys.begin() + (m - 1), keys.end());
-  const uint64_t kth = keys[m - 1];
-  int64_t less = 0;
-  for (const auto& c : cand) less += c.key < kth;
-  int64_t ties = m - less, o = 0;
-  for (const auto& c : cand) {
-    if (c.key < kth || (c.key == kth && ties-- > 0)) out[o++] = base + c.idx;
-  }
+  for (int64_t r : distinct_draws_sorted(a, t, seed, offset)) out[o++] = base + index(r);
 }
 
 // Validates one segment's exclude list: inside [lo, hi), strictly increasing.
@@ -528,18 +537,15 @@ at::Tensor explore_sample_segmented_cpu(c10::IntArrayRef offsets, const at::Tens
   for (int64_t s = 0; s < S; ++s)
     for (int64_t j = exclude_offsets[s]; j < exclude_offsets[s + 1]; ++j) local[j] -= offsets[s];
   const uint64_t useed = static_cast<uint64_t>(seed);
-  std::vector<int64_t> small, large;
-  for (int64_t s = 0; s < S; ++s)
-    (offsets[s + 1] - offsets[s] <= kSmall ? small : large).push_back(s);
-  auto run = [&](int64_t s, bool par) {
-    explore_select(offsets[s + 1] - offsets[s], local.data() + exclude_offsets[s],
-                   exclude_offsets[s + 1] - exclude_offsets[s], ms[s], useed,
-                   static_cast<uint64_t>(rng_offsets[s]), offsets[s], po + out_off[s], par);
-  };
-  at::parallel_for(0, static_cast<int64_t>(small.size()), 8, [&](int64_t a, int64_t b) {
-    for (int64_t j = a; j < b; ++j) run(small[j], false);
+  // Segments are independent (one task each); little work runs inline.
+  int64_t work = 0;
+  for (int64_t s = 0; s < S; ++s) work += std::min(ms[s], offsets[s + 1] - offsets[s] - ms[s]);
+  at::parallel_for(0, S, work >= (int64_t(1) << 15) ? 1 : std::max<int64_t>(S, 1), [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      explore_select(offsets[s + 1] - offsets[s], local.data() + exclude_offsets[s],
+                     exclude_offsets[s + 1] - exclude_offsets[s], ms[s], useed,
+                     static_cast<uint64_t>(rng_offsets[s]), offsets[s], po + out_off[s]);
   });
-  for (int64_t s : large) run(s, true);
   return out;
 }
 
