@@ -96,10 +96,10 @@ SLIMCOMM_HD uint32_t score_key(float s) {
 
 // ---------------------------------------------------------------------------
 // Philox4x32-10 (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy
-// as 1, 2, 3", SC'11). explore_sample keys index i with
-//   counter = (p_lo, p_hi, offset_lo, offset_hi), p = i >> 1,
+// as 1, 2, 3", SC'11). explore_sample's draw j uses
+//   counter = (p_lo, p_hi, offset_lo, offset_hi), p = j >> 1,
 //   key = (seed_lo, seed_hi),
-// and takes words (0,1) for even i and (2,3) for odd i as a 64-bit key.
+// and takes words (0,1) for even j and (2,3) for odd j as a 64-bit value.
 // ---------------------------------------------------------------------------
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
 constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
@@ -128,7 +128,7 @@ SLIMCOMM_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_
   return Philox4{{c0, c1, c2, c3}};
 }
 
-// The 64-bit explore key of index i.
+// The 64-bit Philox value of explore draw i (see ops.explore_sample).
 SLIMCOMM_HD uint64_t explore_key(uint64_t i, uint64_t seed, uint64_t offset) {
   uint64_t p = i >> 1;
   Philox4 o = philox4x32_10(static_cast<uint32_t>(p), static_cast<uint32_t>(p >> 32),

@@ -90,7 +90,7 @@ def philox4x32_10(counter: np.ndarray, key: tuple[int, int]) -> np.ndarray:
 
 
 def explore_keys(n: int, seed: int, offset: int) -> np.ndarray:
-    """The 64-bit explore key of every index in ``[0, n)`` (uint64 array)."""
+    """The 64-bit Philox value of every explore draw ``j`` in ``[0, n)`` (uint64 array)."""
     seed &= (1 << 64) - 1
     offset &= (1 << 64) - 1
     pairs = np.arange((n + 1) // 2, dtype=np.uint64)

@@ -532,7 +532,7 @@ at::Tensor explore_sample_segmented_cpu(c10::IntArrayRef offsets, const at::Tens
   }
   at::Tensor out = at::empty({out_off[S]}, exclude.options());
   int64_t* po = out.data_ptr<int64_t>();
-  // Segment-local exclude lists (explore keys use segment-local indices).
+  // Segment-local exclude lists (draws use segment-local ranks).
   std::vector<int64_t> local(pe, pe + ex.numel());
   for (int64_t s = 0; s < S; ++s)
     for (int64_t j = exclude_offsets[s]; j < exclude_offsets[s + 1]; ++j) local[j] -= offsets[s];
