@@ -242,50 +242,67 @@ def run_job(net: EmulatedNetwork, method: str, out_json: str, train_args: Sequen
         return json.load(f)
 
 
-def _speedup(base: Optional[Dict], r: Dict) -> str:
-    tb = (base or {}).get("time_to_target")
-    tr = r.get("time_to_target")
-    if not tb or not tr:
-        return "-"
-    return f"{tb['train_time_s'] / tr['train_time_s']:.2f}x"
+def _median(xs: Sequence[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
 
 
-def markdown(results: Dict[str, Dict[str, Dict]], measured: Dict[str, float], header: str) -> str:
-    """Markdown tables (one per rate) from {rate: {method: results dict}}."""
+def _ttt(runs: Sequence[Dict]) -> Optional[float]:
+    """Median time to target over seeds (None if any seed never reached it)."""
+    ts = [r["time_to_target"]["train_time_s"] if r.get("time_to_target") else None for r in runs]
+    return None if any(t is None for t in ts) else _median(ts)
+
+
+def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, float], header: str) -> str:
+    """Markdown tables (one per rate) from {rate: {method: [results dict per seed]}}.
+
+    With several seeds every number is the median over seeds; the time to
+    target of each seed is listed too. The speed-up is ddp's median time over
+    the method's median time.
+    """
     from tabulate import tabulate
 
     parts = [header]
     for rate, by_method in results.items():
-        any_r = next(iter(by_method.values()))
+        any_r = next(iter(by_method.values()))[0]
         tgt = any_r["config"]["target_acc"]
         epochs = any_r["config"]["epochs"]
+        n_seeds = max(len(runs) for runs in by_method.values())
         parts.append(f"\n### {rate} per link (measured {measured[rate]:.0f} Mbit/s TCP)\n")
         rows = []
-        base = by_method.get("ddp")
-        for m, r in by_method.items():
-            t = r.get("time_to_target")
-            done = r["completed_epochs"] == epochs and not r.get("stopped_at_target")
-            f = r["final"]
-            steps = max(1, r["steps"])
-            rows.append([
+        base = _ttt(by_method["ddp"]) if "ddp" in by_method else None
+        for m, runs in by_method.items():
+            t = _ttt(runs)
+            reached = [r["time_to_target"] for r in runs if r.get("time_to_target")]
+            done = all(r["completed_epochs"] == epochs and not r.get("stopped_at_target") for r in runs)
+            steps = [max(1, r["steps"]) for r in runs]
+            per_seed = ", ".join(f"{r['time_to_target']['train_time_s']:.1f}" if r.get("time_to_target")
+                                 else "never" for r in runs)
+            row = [
                 m,
-                f"{t['train_time_s']:.1f}" if t else "not reached",
-                f"{t['epoch']:.2f}" if t else "-",
-                _speedup(base, r),
-                f"{f['test_acc']:.4f}" if done else f"(stopped at target, epoch {r['evals'][-1]['epoch']:.2f})",
-                f"{f['bytes_sent_per_rank'] / 1e6 / steps:.3f}",
-                f"{1000 * f['train_time_s'] / steps:.0f}",
-                f"{f['train_time_s']:.1f}",
-                " ".join(r.get("method_flags", [])) or "-",
-            ])
-        parts.append(tabulate(rows, headers=["method", f"time to {tgt:g} (s)", "epoch reached",
-                                             "speed-up vs ddp", f"test acc after {epochs} epochs",
-                                             "MB/rank/step", "ms/step", "train time (s)", "method flags"],
-                              tablefmt="github", disable_numparse=True))
+                f"{t:.1f}" if t is not None else "not reached",
+                f"{_median([x['epoch'] for x in reached]):.2f}" if len(reached) == len(runs) else "-",
+                f"{base / t:.2f}x" if base and t else "-",
+                (f"{_median([r['final']['test_acc'] for r in runs]):.4f}" if done
+                 else "(stopped at target)"),
+                f"{_median([r['final']['bytes_sent_per_rank'] / 1e6 / n for r, n in zip(runs, steps)]):.3f}",
+                f"{_median([1000 * r['final']['train_time_s'] / n for r, n in zip(runs, steps)]):.0f}",
+                " ".join(runs[0].get("method_flags", [])) or "-",
+            ]
+            if n_seeds > 1:
+                row.insert(2, per_seed)
+            rows.append(row)
+        headers = ["method", f"time to {tgt:g} (s)", "epoch reached", "speed-up vs ddp",
+                   f"test acc after {epochs} epochs", "MB/rank/step", "ms/step", "method flags"]
+        if n_seeds > 1:
+            headers[1] = f"median time to {tgt:g} (s)"
+            headers.insert(2, "per seed (s)")
+        parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     return "\n".join(parts) + "\n"
 
 
-def plot(results: Dict[str, Dict[str, Dict]], out_png: str) -> None:
+def plot(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -295,10 +312,13 @@ def plot(results: Dict[str, Dict[str, Dict]], out_png: str) -> None:
     fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
     for ax, (rate, by_method) in zip(axes[0], results.items()):
         tgt = None
-        for m, r in by_method.items():
-            ev = r["evals"]
-            ax.plot([e["train_time_s"] for e in ev], [e["test_acc"] for e in ev], marker="o", ms=2.5, label=m)
-            tgt = r["config"]["target_acc"]
+        for i, (m, runs) in enumerate(by_method.items()):
+            color = f"C{i % 10}"
+            for j, r in enumerate(runs):  # every seed, one colour per method
+                ev = r["evals"]
+                ax.plot([e["train_time_s"] for e in ev], [e["test_acc"] for e in ev], marker="o", ms=2,
+                        lw=1.0, alpha=0.8, color=color, label=m if j == 0 else None)
+                tgt = r["config"]["target_acc"]
         if tgt is not None:
             ax.axhline(tgt, color="gray", ls="--", lw=0.8)
         ax.set_xscale("log")
@@ -346,6 +366,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
                    help="extra slimcomm.train flags for one method, e.g. slimdp='--momentum 0 --lr 0.2' "
                         "(repeatable; shown in the table)")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds: every (rate, method) runs once per seed and the tables report "
+                        "medians (default: the --seed after --, else 0)")
     p.add_argument("--reuse", action="store_true",
                    help="load a (rate, method) result JSON that already exists with the same flags instead of "
                         "rerunning it (the link is still set up and measured)")
@@ -366,7 +389,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
     if os.geteuid() != 0:
         p.error("network namespaces need root")
-    for forbidden in ("--rank", "--world-size", "--master-addr", "--master-port", "--method", "--compare", "--out"):
+    forbidden_args = ["--rank", "--world-size", "--master-addr", "--master-port", "--method", "--compare", "--out"]
+    if a.seeds is not None:
+        forbidden_args.append("--seed")
+        try:
+            seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--seeds {a.seeds!r}: expected comma-separated integers")
+        if not seeds or len(set(seeds)) != len(seeds):
+            p.error(f"--seeds {a.seeds!r}: expected distinct integers")
+    else:
+        seeds = [None]
+    for forbidden in forbidden_args:
         if forbidden in train_args:
             p.error(f"{forbidden} is set by netbench; do not pass it after --")
     per_method: Dict[str, List[str]] = {}
@@ -396,39 +430,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       flush=True)
                 results[rate] = {}
                 for m in methods:
-                    extra = (list(train_args) + per_method.get(m, [])
-                             + (["--stop-at-target"] if rate in stop_rates else []))
-                    t0 = time.perf_counter()
-                    path = os.path.join(json_dir, f"{rate}_{m}.json")
-                    r = _reusable(path, extra) if a.reuse else None
-                    if r is None:
-                        r = run_job(net, m.split("@")[0], path, extra, a.port, a.timeout, threads,
-                                    os.path.join(json_dir, "logs"))
-                    else:
-                        print(f"[netbench] {rate} {m}: reusing {path}", flush=True)
-                    r["netbench_args"] = extra
-                    r["method_flags"] = per_method.get(m, [])
-                    with open(path, "w") as f:
-                        json.dump(r, f, indent=1)
-                    results[rate][m] = r
-                    t = r.get("time_to_target")
-                    print(f"[netbench] {rate} {m}: acc {r['final']['test_acc']:.4f}, "
-                          f"time to {r['config']['target_acc']:g}: "
-                          f"{'%.1f s' % t['train_time_s'] if t else 'not reached'}, "
-                          f"{r['final']['bytes_sent_per_rank'] / 1e6:.1f} MB/rank, job {time.perf_counter() - t0:.0f} s",
-                          flush=True)
+                    results[rate][m] = []
+                    for seed in seeds:
+                        extra = (list(train_args) + per_method.get(m, [])
+                                 + (["--stop-at-target"] if rate in stop_rates else [])
+                                 + (["--seed", str(seed)] if seed is not None else []))
+                        t0 = time.perf_counter()
+                        suffix = f"_s{seed}" if seed is not None else ""
+                        path = os.path.join(json_dir, f"{rate}_{m}{suffix}.json")
+                        r = _reusable(path, extra) if a.reuse else None
+                        if r is None:
+                            r = run_job(net, m.split("@")[0], path, extra, a.port, a.timeout, threads,
+                                        os.path.join(json_dir, "logs"))
+                        else:
+                            print(f"[netbench] {rate} {m}{suffix}: reusing {path}", flush=True)
+                        r["netbench_args"] = extra
+                        r["method_flags"] = per_method.get(m, [])
+                        with open(path, "w") as f:
+                            json.dump(r, f, indent=1)
+                        results[rate][m].append(r)
+                        t = r.get("time_to_target")
+                        print(f"[netbench] {rate} {m}{suffix}: acc {r['final']['test_acc']:.4f}, "
+                              f"time to {r['config']['target_acc']:g}: "
+                              f"{'%.1f s' % t['train_time_s'] if t else 'not reached'}, "
+                              f"{r['final']['bytes_sent_per_rank'] / 1e6:.1f} MB/rank, "
+                              f"job {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
             left = net.leftovers()
             if left:
                 print(f"[netbench] WARNING: namespaces left behind: {left}", file=sys.stderr)
-    any_r = next(iter(next(iter(results.values())).values()))
+    any_r = next(iter(next(iter(results.values())).values()))[0]
     cfg = any_r["config"]
     header = (
         f"## slimcomm netbench: {a.world_size} ranks, one network namespace each, tbf-limited veth links\n\n"
         f"Data {any_r['dataset']['name']} ({any_r['dataset']['train_samples_per_rank']} training samples per rank), "
         f"MLP hidden {cfg['hidden']} ({any_r['model']['num_params']:,} parameters), SGD lr {cfg['lr']} "
         f"momentum {cfg['momentum']}, batch {cfg['batch_size']} per rank, {cfg['epochs']} epochs, "
-        f"evaluation every {cfg['eval_every'] or 'epoch'} steps, {threads} thread(s) per rank, seed {cfg['seed']}.\n"
+        f"evaluation every {cfg['eval_every'] or 'epoch'} steps, {threads} thread(s) per rank, "
+        f"{'seeds ' + ', '.join(map(str, seeds)) + ' (medians)' if seeds[0] is not None else 'seed %d' % cfg['seed']}.\n"
         f"Time = training wall time (evaluation excluded). MB = {any_r['bytes_definition']}.\n"
         f"slimdp/topk: core {cfg['core_ratio']}, explore {cfg['explore_ratio']}, refresh {cfg['core_refresh']}; "
         f"powersgd rank {cfg['powersgd_rank']}, start iter {cfg['powersgd_start_iter']}; ist local steps {cfg['local_steps']}.\n"

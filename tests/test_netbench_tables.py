@@ -1,0 +1,64 @@
+"""bench/netbench.py's tables and argument checks (no namespaces needed)."""
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import netbench  # noqa: E402
+
+
+def _run(ttt, acc, steps=100, train_time=50.0, mb=10.0, stopped=False):
+    return {
+        "config": {"target_acc": 0.85, "epochs": 2},
+        "completed_epochs": 1 if stopped else 2,
+        "stopped_at_target": stopped,
+        "time_to_target": None if ttt is None else {"train_time_s": ttt, "epoch": ttt / 100},
+        "steps": steps,
+        "final": {"test_acc": acc, "bytes_sent_per_rank": mb * 1e6 * steps, "train_time_s": train_time},
+        "evals": [{"train_time_s": 1.0, "test_acc": 0.5}],
+        "method_flags": [],
+    }
+
+
+def _row(md, method):
+    return [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith(f"| {method} ")).split("|")[1:-1]]
+
+
+def test_markdown_reports_medians_over_seeds():
+    results = {"1gbit": {
+        "ddp": [_run(90.0, 0.85), _run(60.0, 0.86), _run(66.0, 0.84)],
+        "slimdp": [_run(30.0, 0.87, train_time=20.0), _run(10.0, 0.88, train_time=30.0),
+                   _run(22.0, 0.86, train_time=40.0)],
+        "topk": [_run(None, 0.80), _run(5.0, 0.9), _run(6.0, 0.9)],
+    }}
+    md = netbench.markdown(results, {"1gbit": 950.0}, "header")
+    assert "median time to 0.85 (s)" in md and "per seed (s)" in md
+    ddp, slim, topk = _row(md, "ddp"), _row(md, "slimdp"), _row(md, "topk")
+    assert ddp[1] == "66.0" and ddp[2] == "90.0, 60.0, 66.0"
+    assert slim[1] == "22.0" and slim[4] == "3.00x"  # 66 / 22
+    assert slim[5] == "0.8700"  # median final accuracy
+    assert slim[7] == "300"  # median ms/step: 30 s / 100 steps
+    assert topk[1] == "not reached" and topk[2] == "never, 5.0, 6.0" and topk[4] == "-"
+
+
+def test_markdown_single_seed_has_no_seed_column():
+    md = netbench.markdown({"100mbit": {"ddp": [_run(400.0, 0.85, stopped=True)]}}, {"100mbit": 96.0}, "h")
+    assert "per seed" not in md and "time to 0.85 (s)" in md
+    assert _row(md, "ddp")[1] == "400.0" and _row(md, "ddp")[4] == "(stopped at target)"
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--seeds", "1,x"], "--seeds"),
+    (["--seeds", "1,1"], "distinct"),
+    (["--seeds", "1,2", "--", "--seed", "3"], "--seed is set by netbench"),
+])
+def test_bad_seeds_are_refused(argv, msg, capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(SystemExit) as e:
+        netbench.main(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
