@@ -104,17 +104,6 @@ __device__ __forceinline__ uint32_t rank_key_at(const T* w, const T* g, int64_t 
   return rank_key(fw, fg, mode);
 }
 
-// Is v in the ascending array a[0, n)?
-__device__ __forceinline__ bool sorted_contains(const int64_t* a, int64_t n, int64_t v) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (a[mid] < v) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo < n && a[lo] == v;
-}
-
 // Number of entries of the ascending array a[0, n) that are < v.
 __device__ __forceinline__ int64_t count_below(const int64_t* a, int64_t n, int64_t v) {
   int64_t lo = 0, hi = n;

@@ -1,18 +1,28 @@
 // CUDA kernels of the selection ops: significance_topk and explore_sample,
 // single-segment and segmented. Results are identical to the CPU kernels
-// (csrc/cpu/selection.cpp): both select exactly the k (or m) smallest
-// (key, index) pairs of a total order, so no implementation detail can change
-// the set, and indices come out ascending.
+// (csrc/cpu/selection.cpp): both compute the same exactly defined set (no
+// implementation detail can change it), and indices come out ascending.
 //
-// Keys. significance_topk ranks by rank_key (cuda_utils.cuh): the fp32 score's
-// bit pattern inverted, NaN first, so "most significant" = smallest key and
-// ties go to the lowest index. explore_sample ranks by the 64-bit Philox key
-// of common.h (explore_key) over the non-excluded indices.
+// significance_topk selects the k smallest (rank_key, index) pairs: rank_key
+// (cuda_utils.cuh) is the fp32 score's bit pattern inverted, NaN first, so
+// "most significant" = smallest key and ties go to the lowest index.
+//
+// explore_sample ("first distinct draws", O(m) work): with a = number of
+// non-excluded indices and t = min(m, a - m), draw j is the rank
+// floor(u_j * a / 2^64) with u_j the Philox key of j (common.h, explore_key);
+// R = the first t distinct draws; the sample is R (m <= a / 2) or its
+// complement in [0, a), ranks mapped to the non-excluded indices in order.
 //
 // Small segments (the usual case inside a DDP bucket) are done by one thread
 // block each, all segments in one launch, with no host synchronisation:
-// block_select_threshold finds the exact k-th key by 8-bit radix passes over
-// the segment, block_emit_ordered writes the selection in index order.
+//  significance_topk: block_select_threshold finds the exact k-th key by 8-bit
+//   radix passes over the segment, block_emit_ordered writes the selection in
+//   index order;
+//  explore_sample: chunks of draws in j order against a shared-memory bitmap
+//   of R; duplicates inside a chunk are resolved by a block radix sort of
+//   (value, draw) keys (the lowest draw of a value counts) and new values are
+//   accepted in j order by a block scan until t are found; the bitmap is then
+//   read out in rank order.
 //
 // Large segments, device-wide, one after the other:
 //  significance_topk
@@ -33,18 +43,18 @@
 //      (per-tile counts, prefix sums, ordered emission) writes the result
 //      directly in index order. No host synchronisation in the fallback.
 //  explore_sample
-//   one pass computing Philox keys pair by pair and appending the (key, index)
-//   of non-excluded indices below a limit chosen so that at least m pass with
-//   overwhelming probability (HOST SYNC on the count, as above); if fewer pass
-//   the limit is raised and the pass repeated, exactly as on the CPU. The
-//   candidates are sorted by (key, index) and the first m kept.
+//   M draws (the expected count for t distinct values plus a margin) as keys
+//   (d_j << 32 | j), radix-sorted; the first key of each value marks its first
+//   draw; an inclusive scan of those marks in j order gives the number of
+//   distinct values (HOST SYNC: if fewer than t, M is doubled and the pass
+//   redone; the result does not depend on M) and the draw J at which the t-th
+//   appears; the first draws up to J, compacted in sorted order, are R
+//   ascending; R (or its complement) is mapped to indices by binary search.
 //  The exclude list is validated on the device first (HOST SYNC: the error
 //  must be raised before any output is produced).
 #include "cuda_utils.cuh"
 
 #include <torch/library.h>
-
-#include <cuda/std/tuple>
 
 #include <cmath>
 
@@ -567,6 +577,44 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_cuda(const at::Tensor& weig
 // ===========================================================================
 // explore_sample
 // ===========================================================================
+// Definition (identical on every backend): a = n - len(exclude); m == a takes
+// every non-excluded index. Otherwise comp = 2m > a, t = comp ? a - m : m, and
+// draw j (j = 0, 1, ...) is the rank d_j = floor(u_j * a / 2^64) with u_j the
+// 64-bit explore key of j (common.h). R = the first t distinct values of
+// d_0, d_1, ...; the selected ranks are R (or [0, a) minus R when comp); rank
+// r is the r-th non-excluded index of the segment.
+
+constexpr int kExItems = 4;                     // draws per thread per chunk (even)
+constexpr int kExChunk = kSegBlock * kExItems;  // draws per chunk of the block kernel (< 2^16)
+
+// Philox output of draw pair p = j >> 1: words (0,1) are draw 2p, words (2,3)
+// draw 2p + 1, exactly as explore_key in common.h.
+__device__ __forceinline__ Philox4 explore_pair(uint64_t p, uint64_t seed, uint64_t offset) {
+  return philox4x32_10(static_cast<uint32_t>(p), static_cast<uint32_t>(p >> 32),
+                       static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
+                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// floor(u * a / 2^64) for the even (h = 0) or odd (h = 1) draw of a pair; a < 2^32.
+__device__ __forceinline__ uint32_t explore_rank(const Philox4& x, int h, uint64_t a) {
+  const uint64_t u = h == 0 ? ((static_cast<uint64_t>(x.x[0]) << 32) | x.x[1])
+                            : ((static_cast<uint64_t>(x.x[2]) << 32) | x.x[3]);
+  return static_cast<uint32_t>(__umul64hi(u, a));
+}
+
+// Buffer index of rank r: the r-th (0-based) index of the segment starting at
+// lo that is not in ex[0, ne) (the segment's ascending exclude list, buffer
+// indices), i.e. lo + r + #{e : ex[e] - lo - e <= r} (non-decreasing in e).
+__device__ __forceinline__ int64_t rank_to_index(int64_t r, int64_t lo, const int64_t* ex,
+                                                 int64_t ne) {
+  int64_t x = 0, y = ne;
+  while (x < y) {
+    const int64_t mid = (x + y) >> 1;
+    if (ex[mid] - lo - mid <= r) x = mid + 1;
+    else y = mid;
+  }
+  return lo + r + x;
+}
 
 // Writes every non-excluded index of [lo, lo + len) in order (m == what is left).
 __device__ __forceinline__ void write_complement(int64_t i, int64_t lo, const int64_t* ex,
@@ -576,50 +624,117 @@ __device__ __forceinline__ void write_complement(int64_t i, int64_t lo, const in
   out[i - b] = lo + i;
 }
 
-// Explore key of segment-local index i, exclusion looked up in a shared-memory
-// bitmap of the segment (bit i set = excluded).
-struct ExploreKeysBitmap {
-  const uint32_t* excluded;
-  uint64_t seed, offset;
-  __device__ __forceinline__ bool operator()(int64_t i, uint64_t& key) const {
-    if ((excluded[i >> 5] >> (i & 31)) & 1u) return false;
-    key = explore_key(static_cast<uint64_t>(i), seed, offset);
-    return true;
-  }
-};
-
+// ---- small segments: one block each ----------------------------------------
 // segs: [S, 7] int64 rows (lo, len, e0, e1, m, out, rng_offset) with 0 < m and
-// len <= kExploreBlockSeg.
+// len <= kExploreBlockSeg; ex holds buffer indices.
+//
+// Draws are processed in chunks of kExChunk, in j order. Per chunk: each
+// thread computes kExItems consecutive draws; a draw whose value is already in
+// the shared bitmap `taken` is marked stale; the keys (value << 16 | draw in
+// chunk) are block-radix-sorted, so the first key of each value is the value's
+// lowest draw of the chunk; those draws are flagged new, the flags are
+// block-scanned in j order and the first t - found new values are set in
+// `taken`. Then `taken` (R) is read out rank by rank in order.
 __global__ void __launch_bounds__(kSegBlock)
     explore_segments_kernel(const int64_t* __restrict__ segs, const int64_t* __restrict__ ex,
                             uint64_t seed, int64_t* __restrict__ out) {
-  __shared__ SelectShared<uint64_t> sel;
-  __shared__ typename cub::BlockScan<int, kSegBlock>::TempStorage scan;
-  __shared__ uint32_t excluded[kExploreBlockSeg / 32];
+  using Sort = cub::BlockRadixSort<uint32_t, kSegBlock, kExItems>;
+  using Scan = cub::BlockScan<int, kSegBlock>;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    uint32_t keys[kExChunk];  // the sorted keys of the chunk
+  } sh;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ uint32_t taken[kExploreBlockSeg / 32];  // bit r: rank r is in R
+  __shared__ uint8_t fresh[kExChunk];                // draw (in chunk) is a new value
   const int64_t* sd = segs + 7 * static_cast<int64_t>(blockIdx.x);
   const int64_t lo = sd[0], len = sd[1], e0 = sd[2], e1 = sd[3], m = sd[4];
   int64_t* o = out + sd[5];
+  const uint64_t offset = static_cast<uint64_t>(sd[6]);
   const int64_t ne = e1 - e0;
   const int64_t* sex = ex + e0;
-  if (m == len - ne) {
+  const int64_t a = len - ne;
+  if (m == a) {
     for (int64_t i = threadIdx.x; i < len; i += kSegBlock) write_complement(i, lo, sex, ne, o);
     return;
   }
-  const int64_t words = (len + 31) / 32;
-  for (int64_t j = threadIdx.x; j < words; j += kSegBlock) excluded[j] = 0u;
+  const bool comp = 2 * m > a;
+  const int64_t t = comp ? a - m : m;  // 1 <= t <= a / 2
+  const uint32_t ua = static_cast<uint32_t>(a);  // a <= 2^15
+  // Keys are (v << 16) | draw-in-chunk with v = the rank or, for a stale
+  // draw, a itself: all keys are below 2^end_bit.
+  const int end_bit = 16 + (32 - __clz(static_cast<int>(ua)));
+  const int l0 = static_cast<int>(threadIdx.x) * kExItems;  // this thread's first slot
+  for (int64_t w = threadIdx.x; w < (a + 31) / 32; w += kSegBlock) taken[w] = 0u;
   __syncthreads();
-  for (int64_t j = threadIdx.x; j < ne; j += kSegBlock) {
-    const int64_t i = sex[j] - lo;  // validated: inside the segment
-    atomicOr(&excluded[i >> 5], 1u << (i & 31));
+  int64_t found = 0;  // |R| so far (the same in every thread)
+  for (uint64_t j0 = 0; found < t; j0 += kExChunk) {
+    uint32_t d[kExItems], key[kExItems];
+#pragma unroll
+    for (int k = 0; k < kExItems; k += 2) {
+      const Philox4 x = explore_pair((j0 + static_cast<uint64_t>(l0 + k)) >> 1, seed, offset);
+      d[k] = explore_rank(x, 0, ua);
+      d[k + 1] = explore_rank(x, 1, ua);
+    }
+#pragma unroll
+    for (int k = 0; k < kExItems; ++k) {
+      const bool stale = (taken[d[k] >> 5] >> (d[k] & 31)) & 1u;
+      key[k] = ((stale ? ua : d[k]) << 16) | static_cast<uint32_t>(l0 + k);
+    }
+    Sort(sh.sort).Sort(key, 0, end_bit);  // blocked: key[k] is sorted position l0 + k
+    __syncthreads();                      // sort storage is reused as sh.keys
+#pragma unroll
+    for (int k = 0; k < kExItems; ++k) sh.keys[l0 + k] = key[k];
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kExItems; ++k) {
+      const int p = l0 + k;
+      const uint32_t v = key[k] >> 16;
+      fresh[key[k] & 0xFFFFu] = (v < ua && (p == 0 || (sh.keys[p - 1] >> 16) != v)) ? 1 : 0;
+    }
+    __syncthreads();
+    bool is_new[kExItems];
+    int cnt = 0;
+#pragma unroll
+    for (int k = 0; k < kExItems; ++k) {
+      is_new[k] = fresh[l0 + k] != 0;
+      cnt += is_new[k] ? 1 : 0;
+    }
+    int rank, total;
+    Scan(scan).ExclusiveSum(cnt, rank, total);  // in j order
+    const int64_t need = t - found;
+#pragma unroll
+    for (int k = 0; k < kExItems; ++k) {
+      if (is_new[k]) {
+        if (rank < need) atomicOr(&taken[d[k] >> 5], 1u << (d[k] & 31));  // distinct values
+        ++rank;
+      }
+    }
+    found += std::min<int64_t>(total, need);
+    __syncthreads();  // taken, sh, fresh and scan are reused by the next chunk
   }
-  __syncthreads();
-  const ExploreKeysBitmap kf{excluded, seed, static_cast<uint64_t>(sd[6])};
-  uint64_t thr;
-  int64_t need;
-  block_select_threshold<uint64_t, kSegBlock>(kf, len, m, sel, thr, need);
-  block_emit_ordered<uint64_t, kSegBlock>(
-      kf, 0, len, thr, need, 0, 0, m, [&](int64_t pos, int64_t i) { o[pos] = lo + i; }, scan);
+  // Output: ranks in R (or not in R when comp), ascending, mapped to indices.
+  int64_t written = 0;
+  for (int64_t base = 0; base < a; base += kExChunk) {
+    bool sel[kExItems];
+    int cnt = 0;
+#pragma unroll
+    for (int k = 0; k < kExItems; ++k) {
+      const int64_t r = base + l0 + k;
+      sel[k] = r < a && ((((taken[r >> 5] >> (r & 31)) & 1u) != 0u) != comp);
+      cnt += sel[k] ? 1 : 0;
+    }
+    int pos, total;
+    Scan(scan).ExclusiveSum(cnt, pos, total);
+#pragma unroll
+    for (int k = 0; k < kExItems; ++k)
+      if (sel[k]) o[written + pos++] = rank_to_index(base + l0 + k, lo, sex, ne);
+    written += total;
+    __syncthreads();  // scan storage is reused
+  }
 }
+
+// ---- large segments: device-wide, one segment at a time -------------------
 
 __global__ void complement_kernel(int64_t n, int64_t lo, const int64_t* __restrict__ ex,
                                   int64_t ne, int64_t* __restrict__ out) {
@@ -628,150 +743,170 @@ __global__ void complement_kernel(int64_t n, int64_t lo, const int64_t* __restri
     write_complement(i, lo, ex, ne, out);
 }
 
-struct ExCand {
-  uint64_t key;
-  uint32_t idx;
-};
-
-// (key, idx) lexicographic order for cub's radix sort.
-struct ExCandDecomposer {
-  __host__ __device__ ::cuda::std::tuple<uint64_t&, uint32_t&> operator()(ExCand& c) const {
-    return {c.key, c.idx};
-  }
-};
-
-// Appends (key, i) for every non-excluded i in [0, n) with key < limit, one
-// Philox call per pair (2p, 2p + 1).
+// keys[j] = (d_j << 32) | j for j < M (a < 2^32, M <= 2^32).
 __global__ void __launch_bounds__(kBlock)
-    explore_compact_kernel(int64_t n, int64_t lo, const int64_t* __restrict__ ex, int64_t ne,
-                           uint64_t seed, uint64_t offset, uint64_t limit,
-                           ExCand* __restrict__ cand, unsigned long long* __restrict__ count,
-                           int64_t cap) {
-  constexpr int UNROLL = 4;
-  constexpr int64_t kTile = int64_t(kBlock) * UNROLL;
-  using Scan = cub::BlockScan<int, kBlock>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ unsigned long long s_base;
-  const int64_t pairs = (n + 1) / 2;
-  const int64_t tiles = (pairs + kTile - 1) / kTile;
-  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  const uint32_t c2 = static_cast<uint32_t>(offset), c3 = static_cast<uint32_t>(offset >> 32);
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    uint64_t key[UNROLL][2];
-    bool hit[UNROLL][2];
-    int cnt = 0;
-#pragma unroll
-    for (int r = 0; r < UNROLL; ++r) {
-      const int64_t p = tile * kTile + int64_t(r) * kBlock + threadIdx.x;
-      hit[r][0] = hit[r][1] = false;
-      if (p < pairs) {
-        const Philox4 o = philox4x32_10(static_cast<uint32_t>(p), static_cast<uint32_t>(p >> 32),
-                                        c2, c3, k0, k1);
-        key[r][0] = (static_cast<uint64_t>(o.x[0]) << 32) | o.x[1];
-        key[r][1] = (static_cast<uint64_t>(o.x[2]) << 32) | o.x[3];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int64_t i = 2 * p + h;
-          hit[r][h] = i < n && key[r][h] < limit && !(ne > 0 && sorted_contains(ex, ne, lo + i));
-          cnt += hit[r][h] ? 1 : 0;
-        }
-      }
-    }
-    int off, total;
-    Scan(scan).ExclusiveSum(cnt, off, total);
-    if (threadIdx.x == 0)
-      s_base = total > 0 ? atomicAdd(count, static_cast<unsigned long long>(total)) : 0ull;
-    __syncthreads();
-    unsigned long long pos = s_base + static_cast<unsigned long long>(off);
-#pragma unroll
-    for (int r = 0; r < UNROLL; ++r) {
-      const int64_t p = tile * kTile + int64_t(r) * kBlock + threadIdx.x;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (hit[r][h]) {
-          if (pos < static_cast<unsigned long long>(cap))
-            cand[pos] = ExCand{key[r][h], static_cast<uint32_t>(2 * p + h)};
-          ++pos;
-        }
-      }
-    }
-    __syncthreads();
+    explore_draws_kernel(int64_t M, uint64_t a, uint64_t seed, uint64_t offset,
+                         uint64_t* __restrict__ keys) {
+  const int64_t pairs = (M + 1) / 2;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; p < pairs;
+       p += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const Philox4 x = explore_pair(static_cast<uint64_t>(p), seed, offset);
+    const uint64_t j = 2 * static_cast<uint64_t>(p);
+    keys[j] = (static_cast<uint64_t>(explore_rank(x, 0, a)) << 32) | j;
+    if (static_cast<int64_t>(j) + 1 < M)
+      keys[j + 1] = (static_cast<uint64_t>(explore_rank(x, 1, a)) << 32) | (j + 1);
   }
 }
 
-__global__ void excand_idx_kernel(const ExCand* __restrict__ sorted, int64_t m,
-                                  uint32_t* __restrict__ idx) {
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; j < m;
-       j += static_cast<int64_t>(gridDim.x) * kBlock)
-    idx[j] = sorted[j].idx;
+// sorted: the draw keys in ascending (d, j) order. flag[j] = 1 iff draw j is
+// the first draw of its value.
+__global__ void __launch_bounds__(kBlock)
+    explore_first_kernel(const uint64_t* __restrict__ sorted, int64_t M,
+                         uint32_t* __restrict__ flag) {
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; p < M;
+       p += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const uint64_t key = sorted[p];
+    flag[static_cast<uint32_t>(key)] = (p == 0 || (sorted[p - 1] >> 32) != (key >> 32)) ? 1u : 0u;
+  }
 }
 
-__global__ void write_indices_kernel(const uint32_t* __restrict__ idx, int64_t m, int64_t lo,
-                                     int64_t* __restrict__ out) {
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; j < m;
+// *cut = the draw at which the t-th distinct value appears (scan: inclusive
+// sum of flag in j order, whose last entry is >= t). Exactly one j matches.
+__global__ void __launch_bounds__(kBlock)
+    explore_cut_kernel(const uint32_t* __restrict__ flag, const uint32_t* __restrict__ scan,
+                       int64_t M, int64_t t, int64_t* __restrict__ cut) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; j < M;
        j += static_cast<int64_t>(gridDim.x) * kBlock)
-    out[j] = lo + idx[j];
+    if (flag[j] != 0u && static_cast<int64_t>(scan[j]) == t) *cut = j;
+}
+
+// keep[p] = 1 iff sorted[p] is the first draw of its value and comes no later
+// than *cut: exactly the t values of R, in ascending order of value.
+__global__ void __launch_bounds__(kBlock)
+    explore_keep_kernel(const uint64_t* __restrict__ sorted, const uint32_t* __restrict__ flag,
+                        int64_t M, const int64_t* __restrict__ cut, uint8_t* __restrict__ keep) {
+  const int64_t J = *cut;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; p < M;
+       p += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const uint32_t j = static_cast<uint32_t>(sorted[p]);
+    keep[p] = (flag[j] != 0u && static_cast<int64_t>(j) <= J) ? 1 : 0;
+  }
+}
+
+// Non-complement output: R (keys, rank in the high word, ascending) mapped to indices.
+__global__ void __launch_bounds__(kBlock)
+    explore_out_kernel(const uint64_t* __restrict__ R, int64_t t, int64_t lo,
+                       const int64_t* __restrict__ ex, int64_t ne, int64_t* __restrict__ out) {
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; k < t;
+       k += static_cast<int64_t>(gridDim.x) * kBlock)
+    out[k] = rank_to_index(static_cast<int64_t>(R[k] >> 32), lo, ex, ne);
+}
+
+// Complement output: every rank r in [0, a) not in R goes to position
+// r - #{R < r}, mapped to its index.
+__global__ void __launch_bounds__(kBlock)
+    explore_out_comp_kernel(const uint64_t* __restrict__ R, int64_t t, int64_t a, int64_t lo,
+                            const int64_t* __restrict__ ex, int64_t ne,
+                            int64_t* __restrict__ out) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; r < a;
+       r += static_cast<int64_t>(gridDim.x) * kBlock) {
+    int64_t x = 0, y = t;
+    while (x < y) {
+      const int64_t mid = (x + y) >> 1;
+      if (static_cast<int64_t>(R[mid] >> 32) < r) x = mid + 1;
+      else y = mid;
+    }
+    if (x < t && static_cast<int64_t>(R[x] >> 32) == r) continue;
+    out[r - x] = rank_to_index(r, lo, ex, ne);
+  }
+}
+
+void inclusive_sum_u32(const uint32_t* in, uint32_t* out, int64_t n, const at::Device& dev) {
+  cudaStream_t st = current_stream();
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceScan::InclusiveSum(nullptr, bytes, in, out, n, st));
+  at::Tensor tmp = scratch_bytes(static_cast<int64_t>(bytes), dev);
+  C10_CUDA_CHECK(cub::DeviceScan::InclusiveSum(tmp.data_ptr(), bytes, in, out, n, st));
+}
+
+void select_flagged_u64(const uint64_t* in, const uint8_t* flags, uint64_t* out,
+                        int64_t* num_selected, int64_t n, const at::Device& dev) {
+  cudaStream_t st = current_stream();
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceSelect::Flagged(nullptr, bytes, in, flags, out, num_selected, n, st));
+  at::Tensor tmp = scratch_bytes(static_cast<int64_t>(bytes), dev);
+  C10_CUDA_CHECK(
+      cub::DeviceSelect::Flagged(tmp.data_ptr(), bytes, in, flags, out, num_selected, n, st));
 }
 
 // Explore sample of one large segment [lo, lo + n) with ne excluded (device
-// pointer `ex`, buffer indices), 0 < m <= n - ne; writes m indices at out.
+// pointer `ex`, buffer indices), 0 < m <= n - ne < 2^32; writes m indices at out.
 void explore_large(int64_t n, int64_t lo, const int64_t* ex, int64_t ne, int64_t m, uint64_t seed,
                    uint64_t offset, int64_t* out, const at::Device& dev) {
   cudaStream_t st = current_stream();
-  const int64_t avail = n - ne;
-  if (m == avail) {
+  const int64_t a = n - ne;
+  if (m == a) {
     complement_kernel<<<grid_for(n, kBlock), kBlock, 0, st>>>(n, lo, ex, ne, out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
+  const bool comp = 2 * m > a;
+  const int64_t t = comp ? a - m : m;  // 1 <= t <= a / 2
+  // Draws: the expected number for t distinct values, a ln(a / (a - t)), plus
+  // a margin of 8 standard deviations; doubled until t distinct values are
+  // among them. The result does not depend on M: the first t distinct values
+  // of the first M draws are the first t distinct values of the sequence.
+  const double expect = -static_cast<double>(a) * std::log1p(-static_cast<double>(t) / a);
+  int64_t M = std::max<int64_t>(
+      t, static_cast<int64_t>(std::ceil(expect + 8.0 * std::sqrt(expect) + 64.0)));
+  M = std::min<int64_t>(M, kIdx32);  // draw numbers fit in the low 32 bits of a key
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
-  at::Tensor count_t = at::empty({1}, i64);
-  auto* count = reinterpret_cast<unsigned long long*>(count_t.data_ptr<int64_t>());
-  // Same limits as the CPU kernel (the result never depends on them: the m
-  // smallest keys among the candidates are the m smallest overall).
-  double q = (static_cast<double>(m) + 8.0 * std::sqrt(static_cast<double>(m)) + 64.0) /
-             static_cast<double>(avail);
-  at::Tensor cand;
-  int64_t total = 0;
+  at::Tensor keys, sorted, flags;
+  uint32_t* flag = nullptr;  // [M] first-draw flags, in j order
+  uint32_t* scan = nullptr;  // [M] inclusive sum of flag
   for (;;) {
-    const uint64_t limit = q >= 0.99 ? ~uint64_t(0) : static_cast<uint64_t>(std::ldexp(q, 64));
-    const double expect = std::min(1.0, q) * static_cast<double>(n);
-    int64_t cap = std::min<int64_t>(n, static_cast<int64_t>(expect + 8.0 * std::sqrt(expect)) + 1024);
-    for (;;) {
-      cand = at::empty({cap * static_cast<int64_t>(sizeof(ExCand))}, i64.dtype(at::kByte));
-      count_t.zero_();
-      const int64_t pairs = (n + 1) / 2;
-      explore_compact_kernel<<<grid_for(pairs, kBlock * 4), kBlock, 0, st>>>(
-          n, lo, ex, ne, seed, offset, limit, reinterpret_cast<ExCand*>(cand.data_ptr()), count,
-          cap);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      // HOST SYNC: the candidate count sizes the buffer and the sort.
-      total = count_t.item<int64_t>();
-      if (total <= cap) break;
-      cap = total;  // rerun the same (deterministic) pass with room for all
-    }
-    if (total >= m || q >= 0.99) break;
-    q = std::min(1.0, q * 4.0);
+    keys = at::empty({M}, i64);
+    sorted = at::empty({M}, i64);
+    flags = at::empty({2, M}, i64.dtype(at::kInt));
+    auto* pk = reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>());
+    auto* ps = reinterpret_cast<uint64_t*>(sorted.data_ptr<int64_t>());
+    flag = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());
+    scan = flag + M;
+    explore_draws_kernel<<<grid_for((M + 1) / 2, kBlock), kBlock, 0, st>>>(
+        M, static_cast<uint64_t>(a), seed, offset, pk);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    sort_keys<uint64_t>(pk, ps, M, 32 + bits_for(a), dev);
+    explore_first_kernel<<<grid_for(M, kBlock), kBlock, 0, st>>>(ps, M, flag);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    inclusive_sum_u32(flag, scan, M, dev);
+    // HOST SYNC: the number of distinct values among the M draws decides
+    // whether more draws are needed (it is < a < 2^32, read back as uint32).
+    const int64_t distinct = static_cast<uint32_t>(flags[1][M - 1].item<int32_t>());
+    if (distinct >= t) break;
+    TORCH_CHECK(M < kIdx32, "slimcomm.explore_sample: internal error: ", M, " draws give only ",
+                distinct, " distinct values, ", t, " needed");
+    M = std::min<int64_t>(2 * M, kIdx32);
   }
-  TORCH_CHECK(total >= m, "slimcomm.explore_sample: internal error: only ", total,
-              " candidates for m = ", m);
-  at::Tensor sorted = at::empty({total * static_cast<int64_t>(sizeof(ExCand))}, i64.dtype(at::kByte));
-  const ExCand* pc = reinterpret_cast<const ExCand*>(cand.data_ptr());
-  ExCand* ps = reinterpret_cast<ExCand*>(sorted.data_ptr());
-  size_t bytes = 0;
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(nullptr, bytes, pc, ps, total, ExCandDecomposer{}, st));
-  at::Tensor tmp = scratch_bytes(static_cast<int64_t>(bytes), dev);
-  C10_CUDA_CHECK(
-      cub::DeviceRadixSort::SortKeys(tmp.data_ptr(), bytes, pc, ps, total, ExCandDecomposer{}, st));
-  at::Tensor idx = at::empty({2, m}, i64.dtype(at::kInt));
-  auto* pidx = reinterpret_cast<uint32_t*>(idx[0].data_ptr<int32_t>());
-  auto* pidx_sorted = reinterpret_cast<uint32_t*>(idx[1].data_ptr<int32_t>());
-  const unsigned int grid = grid_for(m, kBlock);
-  excand_idx_kernel<<<grid, kBlock, 0, st>>>(ps, m, pidx);
+  const auto* ps = reinterpret_cast<const uint64_t*>(sorted.data_ptr<int64_t>());
+  at::Tensor misc = at::empty({2}, i64);  // [0] the cut draw, [1] number selected (== t)
+  int64_t* pmisc = misc.data_ptr<int64_t>();
+  const unsigned int grid = grid_for(M, kBlock);
+  explore_cut_kernel<<<grid, kBlock, 0, st>>>(flag, scan, M, t, pmisc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  sort_keys<uint32_t>(pidx, pidx_sorted, m, bits_for(n), dev);
-  write_indices_kernel<<<grid, kBlock, 0, st>>>(pidx_sorted, m, lo, out);
+  // The unsorted keys are no longer needed: their storage holds the keep flags.
+  auto* keep = reinterpret_cast<uint8_t*>(keys.data_ptr<int64_t>());
+  explore_keep_kernel<<<grid, kBlock, 0, st>>>(ps, flag, M, pmisc, keep);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor r_keys = at::empty({t}, i64);
+  auto* pr = reinterpret_cast<uint64_t*>(r_keys.data_ptr<int64_t>());
+  select_flagged_u64(ps, keep, pr, pmisc + 1, M, dev);
+  if (comp) {
+    explore_out_comp_kernel<<<grid_for(a, kBlock), kBlock, 0, st>>>(pr, t, a, lo, ex, ne, out);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    explore_out_kernel<<<grid_for(t, kBlock), kBlock, 0, st>>>(pr, t, lo, ex, ne, out);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 // bounds: [offsets (S + 1), exclude_offsets (S + 1)]. bad <- the smallest j
