@@ -586,6 +586,14 @@ std::tuple<at::Tensor, at::Tensor> significance_topk_cuda(const at::Tensor& weig
 
 constexpr int kExItems = 4;                     // draws per thread per chunk (even)
 constexpr int kExChunk = kSegBlock * kExItems;  // draws per chunk of the block kernel (< 2^16)
+// Invariants explore_segments_kernel relies on: draws come in Philox pairs
+// starting at an even j; the draw-in-chunk fits the low 16 bits of a sort key;
+// (a << 16) | draw-in-chunk, a <= kExploreBlockSeg, fits in 32 bits; the
+// bitmap `taken` covers every rank.
+static_assert(kExItems % 2 == 0, "kExItems must be even (one Philox call per draw pair)");
+static_assert(kExChunk <= (1 << 16), "draw-in-chunk must fit in 16 bits");
+static_assert(kExploreBlockSeg <= (int64_t(1) << 15), "(a << 16) must fit in a uint32 key");
+static_assert(kExploreBlockSeg % 32 == 0, "the rank bitmap has kExploreBlockSeg / 32 words");
 
 // Philox output of draw pair p = j >> 1: words (0,1) are draw 2p, words (2,3)
 // draw 2p + 1, exactly as explore_key in common.h.
