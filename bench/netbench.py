@@ -461,13 +461,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"[netbench] WARNING: namespaces left behind: {left}", file=sys.stderr)
     any_r = next(iter(next(iter(results.values())).values()))[0]
     cfg = any_r["config"]
+    optim = "; ".join(
+        f"{m} lr {runs[0]['config']['lr']:g} momentum {runs[0]['config']['momentum']:g}"
+        + (f" wire {runs[0]['config']['value_dtype']}, warm-up {runs[0]['config']['warmup_steps']}"
+           if m.split("@")[0] in ("topk", "slimdp") else "")
+        for m, runs in next(iter(results.values())).items())
     header = (
         f"## slimcomm netbench: {a.world_size} ranks, one network namespace each, tbf-limited veth links\n\n"
         f"Data {any_r['dataset']['name']} ({any_r['dataset']['train_samples_per_rank']} training samples per rank), "
-        f"MLP hidden {cfg['hidden']} ({any_r['model']['num_params']:,} parameters), SGD lr {cfg['lr']} "
-        f"momentum {cfg['momentum']}, batch {cfg['batch_size']} per rank, {cfg['epochs']} epochs, "
+        f"MLP hidden {cfg['hidden']} ({any_r['model']['num_params']:,} parameters), "
+        f"batch {cfg['batch_size']} per rank, {cfg['epochs']} epochs, "
         f"evaluation every {cfg['eval_every'] or 'epoch'} steps, {threads} thread(s) per rank, "
         f"{'seeds ' + ', '.join(map(str, seeds)) + ' (medians)' if seeds[0] is not None else 'seed %d' % cfg['seed']}.\n"
+        f"SGD per method: {optim}.\n"
         f"Time = training wall time (evaluation excluded). MB = {any_r['bytes_definition']}.\n"
         f"slimdp/topk: core {cfg['core_ratio']}, explore {cfg['explore_ratio']}, refresh {cfg['core_refresh']}; "
         f"powersgd rank {cfg['powersgd_rank']}, start iter {cfg['powersgd_start_iter']}; ist local steps {cfg['local_steps']}.\n"
