@@ -146,6 +146,14 @@ void check_block(const char* op, const at::Tensor& weight, const SliceShape& s,
                  c10::IntArrayRef(want), " (the slice's shape), got ", block.sizes());
 }
 
+void check_multi_buffer(const char* op, const at::Tensor& buffer, const at::Tensor& weight0,
+                        int64_t total) {
+  check_values(op, "buffer", buffer);
+  check_same(op, "buffer", buffer, "weights[0]", weight0);
+  SLIMCOMM_CHECK(buffer.numel() == total, op, "buffer", "has ", buffer.numel(),
+                 " elements but the slices need exactly ", total);
+}
+
 SliceShape check_slices(const char* op, const std::string& where, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& cols) {
   const std::string w = "weight" + where, r = "rows" + where, c = "cols" + where;

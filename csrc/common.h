@@ -65,6 +65,9 @@ std::vector<int64_t> block_shape(const at::Tensor& weight, const SliceShape& s);
 // scatter_slices' block: same dtype/device as weight and exactly the slice's shape.
 void check_block(const char* op, const at::Tensor& weight, const SliceShape& s,
                  const at::Tensor& block);
+// scatter_slices_multi's buffer: values like weights[0], exactly `total` elements.
+void check_multi_buffer(const char* op, const at::Tensor& buffer, const at::Tensor& weight0,
+                        int64_t total);
 // pack / unpack argument checks (ranks, dtypes, devices, lengths; not index ranges).
 void check_pack_args(const char* op, const at::Tensor& src, const at::Tensor& indices);
 void check_unpack_args(const char* op, const at::Tensor& dst, const at::Tensor& indices,

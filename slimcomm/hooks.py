@@ -61,6 +61,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
+from .agreement import agree_across_ranks, max_min_across_ranks
 
 __all__ = [
     "SlimDPState",
@@ -468,28 +469,18 @@ class SlimDPState:
                    self.seed, self.check_agreement_every))
         failed = error is not None
         items = {
-            "failed": int(failed),
             "parameter positions": 0 if failed else zlib.crc32(repr(layout.positions).encode()),
             "bucket size": 0 if failed else layout.numel,
             "core + explore sizes": 0 if failed else sum(layout.ks) + sum(layout.ms),
             "hyperparameters": zlib.crc32(hp.encode()),
             "step": self.step,
         }
-        vals = torch.tensor(list(items.values()), dtype=torch.int64)
-        device = bucket.buffer().device
-        if device.type != "cpu":
-            vals = vals.to(device)
-        hi, lo = _max_min_across_ranks(vals, _group(self))
-        if failed:
-            raise error
-        hi, lo = hi.tolist(), lo.tolist()
-        if hi[0] != 0:
-            raise RuntimeError(
+        differ = agree_across_ranks(
+            items, error, group=_group(self), device=bucket.buffer().device,
+            other_failed=(
                 f"SlimDPState: another rank could not map bucket {bucket.index()} to its "
                 f"Slim-DP state (see the error raised on that rank, e.g. a state that is not "
-                f"attached or attached to another model); no rank can proceed"
-            )
-        differ = [name for i, name in enumerate(items) if hi[i] != lo[i]]
+                f"attached or attached to another model); no rank can proceed"))
         if differ:
             raise RuntimeError(
                 f"SlimDPState differs across ranks for bucket {bucket.index()} (parameters "
@@ -1017,7 +1008,7 @@ def _check_agreement(state, layout, bucket, group, idx) -> int:
     w = torch.arange(1, k + 1, dtype=torch.int64, device=idx.device)
     sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(),
                         torch.tensor(k, dtype=torch.int64, device=idx.device)])
-    hi, lo = _max_min_across_ranks(sums, group)
+    hi, lo = max_min_across_ranks(sums, group)
     if not torch.equal(hi, lo):
         raise RuntimeError(
             f"Slim-DP index sets differ across ranks in bucket {bucket.index()} (parameters "
@@ -1026,12 +1017,3 @@ def _check_agreement(state, layout, bucket, group, idx) -> int:
             f"non-deterministic optimizer, or state loaded from another rank's checkpoint)"
         )
     return 2 * sums.numel() * sums.element_size()
-
-
-def _max_min_across_ranks(vals: torch.Tensor, group) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Element-wise max and min of an int64 tensor over all ranks, in one all-reduce
-    (MAX of ``[x, -x]``); equal max and min mean every rank holds the same value."""
-    both = torch.cat([vals, -vals])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    n = vals.numel()
-    return both[:n], -both[n:]

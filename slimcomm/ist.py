@@ -79,6 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
+from .agreement import agree_across_ranks
 
 __all__ = [
     "SUPPORTED_MODULES",
@@ -613,7 +614,7 @@ class ISTStats:
     dense_bytes_received: int = 0
 
 
-_FP_ERROR = -1  # fingerprint sent by a rank whose local validation failed
+_FP_ERROR = -1  # placeholder fingerprint of a rank whose validation failed (sent with its failure flag)
 
 
 class ISTTrainer:
@@ -748,35 +749,30 @@ class ISTTrainer:
 
     def _check_agreement(self, fingerprint: int, error: Optional[Exception],
                          disagree: Optional[str] = None) -> None:
-        """All ranks: exchange a 63-bit fingerprint (``_FP_ERROR`` = this rank
-        failed with ``error``) in one all_gather; raise on every rank if any rank
-        failed or the fingerprints differ (``disagree`` says what they cover)."""
-        mine = torch.tensor([fingerprint], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
-        dist.all_gather(everyone, mine, group=self._pg)
-        values = [int(t.item()) for t in everyone]
-        if error is not None:
-            raise error
-        failed = [r for r, v in enumerate(values) if v == _FP_ERROR]
-        if failed:
-            raise RuntimeError(
-                f"ISTTrainer: rank(s) {failed} of the process group rejected their model or "
-                f"arguments (see the error raised there); no rank can proceed"
-            )
-        if len(set(values)) > 1:
+        """All ranks: exchange a 63-bit fingerprint and whether this rank failed
+        (with ``error``) in one all-reduce; raise on every rank if any rank failed
+        or the fingerprints differ (``disagree`` says what they cover; the
+        message groups the ranks by fingerprint)."""
+        differ = agree_across_ranks(
+            {"fingerprint": fingerprint}, error, group=self._pg,
+            other_failed=("ISTTrainer: another rank of the process group rejected its model or "
+                          "arguments (see the error raised there); no rank can proceed"))
+        if differ:
+            # Rare path, reached by every rank alike: gather the fingerprints to name the groups.
+            mine = torch.tensor([fingerprint], dtype=torch.int64)
+            everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
+            dist.all_gather(everyone, mine, group=self._pg)
             groups: Dict[int, List[int]] = {}
-            for r, v in enumerate(values):
-                groups.setdefault(v, []).append(r)
+            for r, t in enumerate(everyone):
+                groups.setdefault(int(t.item()), []).append(r)
             if disagree is None:
                 disagree = ("the ranks disagree on the model architecture, dtype or IST "
                             "settings (seed, local_steps, rescale, broadcast_model)")
                 hint = "Build the same model with the same arguments on every rank."
             else:
                 hint = "Load the checkpoint of the same synchronisation round on every rank."
-            raise RuntimeError(
-                f"ISTTrainer: {disagree}; ranks grouped by fingerprint: "
-                f"{sorted(groups.values())}. {hint}"
-            )
+            raise RuntimeError(f"ISTTrainer: {disagree}; ranks grouped by fingerprint: "
+                               f"{sorted(groups.values())}. {hint}")
 
     def _broadcast_model(self) -> None:
         tensors = list(self.model.parameters()) + list(self.model.buffers())

@@ -89,6 +89,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import data as data_mod
+from .agreement import agree_across_ranks
 
 __all__ = ["METHODS", "build_parser", "build_model", "run", "compare_table", "plot_results", "main"]
 
@@ -494,14 +495,8 @@ def _agree(error: Optional[BaseException], fingerprint: int, device) -> None:
     A rank that failed re-raises its own ``error``; the others raise a
     ``RuntimeError`` pointing at it.
     """
-    t = torch.tensor([0.0 if error is None else 1.0, float(fingerprint), -float(fingerprint)],
-                     dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if error is not None:
-        raise error
-    if t[0].item() > 0:
-        raise RuntimeError("another rank failed during setup (data or model); see its error")
-    if t[1].item() != -t[2].item():
+    if agree_across_ranks({"configuration": fingerprint}, error, device=device,
+                          other_failed="another rank failed during setup (data or model); see its error"):
         raise RuntimeError("ranks were started with different configurations (method, data, model or "
                            "hyperparameters differ); every rank must get the same flags")
 
@@ -572,7 +567,6 @@ def _train(rank, world_size, args, device, backend):
 
     method = _Method(args, model, world_size)
     steps_per_epoch = shard.numel() // args.batch_size
-    total_steps = steps_per_epoch * args.epochs
     evals: List[Dict[str, Any]] = []
     epochs: List[Dict[str, Any]] = []
     train_time = 0.0

@@ -118,10 +118,7 @@ void scatter_slices_multi_cpu(at::TensorList weights, const c10::List<OptTensor>
                               const c10::List<OptTensor>& cols, const at::Tensor& buffer) {
   const char* op = "scatter_slices_multi";
   auto off = check_multi(op, weights, rows, cols);
-  check_values(op, "buffer", buffer);
-  check_same(op, "buffer", buffer, "weights[0]", weights[0]);
-  SLIMCOMM_CHECK(buffer.numel() == off.back(), op, "buffer", "has ", buffer.numel(),
-                 " elements but the slices need exactly ", off.back());
+  check_multi_buffer(op, buffer, weights[0], off.back());
   at::Tensor b = buffer.contiguous();
   const int64_t esize = b.element_size();
   for (size_t t = 0; t < weights.size(); ++t) {
