@@ -393,16 +393,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.seeds is not None:
         forbidden_args.append("--seed")
         try:
-            seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+            seeds = [int(x) for x in a.seeds.split(",")]
         except ValueError:
-            p.error(f"--seeds {a.seeds!r}: expected comma-separated integers")
-        if not seeds or len(set(seeds)) != len(seeds):
+            p.error(f"--seeds {a.seeds!r}: expected comma-separated integers without empty entries")
+        if any(not 0 <= sd < 2**63 for sd in seeds):
+            p.error(f"--seeds {a.seeds!r}: every seed must be in [0, 2**63) (slimcomm.train --seed)")
+        if len(set(seeds)) != len(seeds):
             p.error(f"--seeds {a.seeds!r}: expected distinct integers")
     else:
         seeds = [None]
-    for forbidden in forbidden_args:
-        if forbidden in train_args:
-            p.error(f"{forbidden} is set by netbench; do not pass it after --")
+    for tok in train_args:  # also --flag=value and abbreviations, which argparse accepts
+        flag = tok.split("=", 1)[0]
+        if tok.startswith("--") and len(flag) > 2:
+            hit = [f for f in forbidden_args if f == flag or f.startswith(flag)]
+            if hit:
+                p.error(f"{hit[0]} is set by netbench; do not pass it after -- (got {tok!r})")
     per_method: Dict[str, List[str]] = {}
     for item in a.method_args:
         if "=" not in item:

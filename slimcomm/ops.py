@@ -61,7 +61,9 @@ def _bits64(value: int, op: str, name: str) -> int:
     Accepts any Python int in ``[-2**63, 2**64)``: values ``>= 2**63`` are
     unsigned 64-bit patterns and map to their two's complement.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):
+        raise RuntimeError(f"slimcomm.{op}: argument '{name}' must be an int, got bool")
+    if not isinstance(value, int):
         try:
             value = int(value.__index__())  # numpy / torch integer scalars
         except (AttributeError, TypeError):
@@ -173,8 +175,10 @@ def explore_sample(
        returned ascending.
 
     Work is ``O(t)`` Philox draws (``a * ln(a / (a - t)) <= 1.39 t``
-    expected, since ``t <= a / 2``) plus a ``n / 64``-word bitmap pass and a
-    merge with ``exclude``, instead of a key per index. The first distinct
+    expected, since ``t <= a / 2``) plus a merge with ``exclude`` and either
+    an ``a / 64``-word bitmap pass (when that is at most 16 words per draw and
+    1 GiB, or for the complement) or a hash set and a sort of the ``t`` ranks,
+    instead of a key per index. The first distinct
     values of i.i.d. uniform draws are a uniform ``t``-subset, so the sample
     is uniform.
 

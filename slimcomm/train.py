@@ -171,11 +171,20 @@ def _methods(s: str):
     return ms
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: ...)`` unless the help text already states the default."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slimcomm-train",
         description="Data-parallel / subnet-parallel MLP training with slimcomm's communication methods.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("what to run")
     g.add_argument("--method", choices=METHODS, default="slimdp", help="communication method")
@@ -208,17 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use only this many training samples (all ranks together)")
     g.add_argument("--test-subset", type=_positive_int("--test-subset"), default=None,
                    help="evaluate on only the first this-many test samples")
-    g.add_argument("--hidden", type=_hidden, default=(2048, 2048), help="hidden layer widths, comma-separated")
+    g.add_argument("--hidden", type=_hidden, default=(2048, 2048),
+                   help="hidden layer widths, comma-separated (default: 2048,2048)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=_positive_int("--epochs"), default=2)
+    g.add_argument("--epochs", type=_positive_int("--epochs"), default=2, help="passes over each rank's shard")
     g.add_argument("--batch-size", type=_positive_int("--batch-size"), default=128, help="per-rank mini-batch")
     g.add_argument("--lr", type=_positive_float("--lr"), default=None,
                    help="SGD learning rate (default: 0.05 for ddp/fp16/powersgd/ist, 0.4 for topk, 0.6 for slimdp)")
     g.add_argument("--momentum", type=float, default=None,
                    help="SGD momentum (default: 0.9 for ddp/fp16/powersgd/ist, 0 for topk/slimdp)")
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0)
+    g.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
+    g.add_argument("--seed", type=_int_in("--seed", 0, 2**63 - 1), default=0,
+                   help="seed of the model initialisation, data order and Slim-DP/PowerSGD/IST sampling")
     g.add_argument("--bucket-cap-mb", type=_positive_float("--bucket-cap-mb"), default=25.0, help="DDP bucket size")
     g.add_argument("--eval-every", type=_nonneg_int("--eval-every"), default=0,
                    help="also evaluate every this many steps (0: only at the end of each epoch)")

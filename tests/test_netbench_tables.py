@@ -55,6 +55,12 @@ def test_markdown_single_seed_has_no_seed_column():
     (["--seeds", "1,x"], "--seeds"),
     (["--seeds", "1,1"], "distinct"),
     (["--seeds", "1,2", "--", "--seed", "3"], "--seed is set by netbench"),
+    (["--seeds", "1,,2"], "without empty entries"),
+    (["--seeds", "-1"], "[0, 2**63)"),
+    (["--seeds", str(2**63)], "[0, 2**63)"),
+    (["--", "--world-size=3"], "--world-size is set by netbench"),
+    (["--", "--out=/tmp/x.json"], "--out is set by netbench"),
+    (["--", "--wor", "3"], "--world-size is set by netbench"),
 ])
 def test_bad_seeds_are_refused(argv, msg, capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)

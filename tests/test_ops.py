@@ -200,6 +200,8 @@ def _explore_by_definition(n, exclude, m, seed, offset):
     (10, [2, 3, 9], 6, 2**64 - 1, 2**63), (300, [0, 1, 150, 299], 29, 11, 12),
     (300, list(range(0, 300, 3)), 150, 5, 6), (1000, [], 999, 1, 1),
     (2**33 + 5, [0, 7, 2**32, 2**33], 6, 3, 9),  # hash-set path, ranks past 2^32
+    (2**63 - 1, [], 3, 12345, 2**64 - 7),  # largest n: no overflow in the bitmap size
+    (2**63 - 1, [5, 2**62], 2, 1, 2),
 ])
 def test_explore_sample_follows_its_definition(n, ex, m, seed, offset):
     exclude = torch.tensor(ex, dtype=torch.int64)

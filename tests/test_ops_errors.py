@@ -47,6 +47,7 @@ CASES = [
     ("seg topk dtype mismatch", lambda: ops.significance_topk_segmented(_w(), _w(dtype=torch.bfloat16), [0, 10], [1]), r"'grad' has dtype"),
     # explore_sample
     ("explore negative n", lambda: ops.explore_sample(-1, E, 0, 0, 0), r"'n' must be >= 0"),
+    ("explore bool seed", lambda: ops.explore_sample(10, E, 1, True, 0), r"'seed' must be an int, got bool"),
     ("explore negative m", lambda: ops.explore_sample(10, E, -1, 0, 0), r"'m' must be >= 0"),
     ("explore m too large", lambda: ops.explore_sample(10, _i(1, 2), 9, 0, 0), r"'m' is 9 but only n - len\(exclude\) = 8"),
     ("explore exclude out of range", lambda: ops.explore_sample(10, _i(3, 10), 1, 0, 0), r"'exclude' has index 10 outside \[0, 10\)"),

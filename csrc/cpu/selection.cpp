@@ -437,10 +437,13 @@ struct RankToIndex {
   }
 };
 
+// ceil(a / 64), without overflow for a near 2^63.
+inline int64_t bitmap_words(int64_t a) { return a / 64 + (a % 64 != 0); }
+
 // The first t distinct draws of [0, a) as a bitmap of ceil(a / 64) words.
 std::vector<uint64_t> distinct_draws_bitmap(int64_t a, int64_t t, uint64_t seed,
                                             uint64_t offset) {
-  std::vector<uint64_t> bits(static_cast<size_t>((a + 63) >> 6), 0);
+  std::vector<uint64_t> bits(static_cast<size_t>(bitmap_words(a)), 0);
   int64_t found = 0;
   for_each_draw(static_cast<uint64_t>(a), seed, offset, [&](uint64_t d) {
     uint64_t& w = bits[d >> 6];
@@ -491,8 +494,11 @@ void explore_select(int64_t n, const int64_t* ex, int64_t ne, int64_t m, uint64_
   }
   const bool complement = 2 * m > a;
   const int64_t t = complement ? a - m : m;
-  const int64_t words = (a + 63) >> 6;
-  if (complement || words <= 16 * t) {
+  const int64_t words = bitmap_words(a);
+  // A bitmap when it is cheap against the sample: at most 16 words per drawn
+  // rank and 1 GiB (the complement path has t < a / 2 <= m, so a bitmap of
+  // a / 8 bytes is below the output's 8 m bytes); else a hash set of ~2t words.
+  if (complement || (words <= 16 * t && words <= (int64_t(1) << 27))) {
     const std::vector<uint64_t> bits = distinct_draws_bitmap(a, t, seed, offset);
     for (int64_t w = 0; w < words; ++w) {
       uint64_t x = complement ? ~bits[w] : bits[w];
