@@ -14,7 +14,7 @@ from typing import List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["max_min_across_ranks", "agree_across_ranks"]
+__all__ = ["max_min_across_ranks", "gather_across_ranks", "agree_across_ranks"]
 
 
 def max_min_across_ranks(vals: torch.Tensor, group=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +34,27 @@ def max_min_across_ranks(vals: torch.Tensor, group=None) -> Tuple[torch.Tensor, 
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     n = vals.numel()
     return both[:n], -both[n:]
+
+
+def _reduce_device(group, device: Optional[torch.device]) -> torch.device:
+    """``device``, or the current GPU for an NCCL group, else the CPU."""
+    if device is not None:
+        return device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def gather_across_ranks(value: int, group=None, device: Optional[torch.device] = None) -> List[int]:
+    """Every rank's int64 ``value``, indexed by rank in ``group`` (one all_gather).
+
+    Collective. For error messages (which ranks failed, which ranks agree);
+    the checks themselves use :func:`max_min_across_ranks`.
+    """
+    mine = torch.tensor([int(value)], dtype=torch.int64, device=_reduce_device(group, device))
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [int(t.item()) for t in everyone]
 
 
 def agree_across_ranks(values: Mapping[str, int], error: Optional[BaseException], *,
@@ -63,19 +84,16 @@ def agree_across_ranks(values: Mapping[str, int], error: Optional[BaseException]
         failed, RuntimeError(``other_failed``) naming the failed ranks (found
         with one extra all_gather, only on this path).
     """
-    if device is None:
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = _reduce_device(group, device)
     vals = torch.tensor([int(error is not None)] + [int(v) for v in values.values()],
                         dtype=torch.int64, device=device)
     hi, lo = max_min_across_ranks(vals, group)
     hi, lo = hi.tolist(), lo.tolist()
     if hi[0] != 0:
         # Rare path, taken by every rank alike: one more collective names the failed ranks.
-        flags = [torch.empty_like(vals[:1]) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(flags, vals[:1].contiguous(), group=group)
+        flags = gather_across_ranks(int(error is not None), group, device)
         if error is not None:
             raise error
-        failed = [r for r, f in enumerate(flags) if int(f.item()) != 0]
+        failed = [r for r, f in enumerate(flags) if f != 0]
         raise RuntimeError(f"{other_failed} (failed rank(s) {failed} of the process group)")
     return [name for i, name in enumerate(values, start=1) if hi[i] != lo[i]]

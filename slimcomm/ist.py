@@ -79,7 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
-from .agreement import agree_across_ranks
+from .agreement import agree_across_ranks, gather_across_ranks
 
 __all__ = [
     "SUPPORTED_MODULES",
@@ -759,12 +759,9 @@ class ISTTrainer:
                           "arguments (see the error raised there); no rank can proceed"))
         if differ:
             # Rare path, reached by every rank alike: gather the fingerprints to name the groups.
-            mine = torch.tensor([fingerprint], dtype=torch.int64)
-            everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
-            dist.all_gather(everyone, mine, group=self._pg)
             groups: Dict[int, List[int]] = {}
-            for r, t in enumerate(everyone):
-                groups.setdefault(int(t.item()), []).append(r)
+            for r, v in enumerate(gather_across_ranks(fingerprint, self._pg)):
+                groups.setdefault(v, []).append(r)
             if disagree is None:
                 disagree = ("the ranks disagree on the model architecture, dtype or IST "
                             "settings (seed, local_steps, rescale, broadcast_model)")

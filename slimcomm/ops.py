@@ -178,9 +178,8 @@ def explore_sample(
     expected, since ``t <= a / 2``) plus a merge with ``exclude`` and either
     an ``a / 64``-word bitmap pass (when that is at most 16 words per draw and
     1 GiB, or for the complement) or a hash set and a sort of the ``t`` ranks,
-    instead of a key per index. The first distinct
-    values of i.i.d. uniform draws are a uniform ``t``-subset, so the sample
-    is uniform.
+    instead of a key per index. The first distinct values of i.i.d. uniform
+    draws are a uniform ``t``-subset, so the sample is uniform.
 
     Args:
         n: size of the index range, ``n >= 0``.

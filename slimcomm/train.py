@@ -240,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("powersgd")
     g.add_argument("--powersgd-rank", type=_positive_int("--powersgd-rank"), default=4,
                    help="matrix_approximation_rank")
-    g.add_argument("--powersgd-start-iter", type=_positive_int("--powersgd-start-iter"), default=2,
-                   help="dense all-reduce steps before compression starts (>= 2)")
+    g.add_argument("--powersgd-start-iter", type=_int_in("--powersgd-start-iter", 2), default=2,
+                   help="dense all-reduce steps before compression starts (>= 2: PowerSGD's error "
+                        "feedback needs a dense warm-up)")
 
     g = p.add_argument_group("topk / slimdp (slimcomm.hooks.SlimDPState)")
     g.add_argument("--core-ratio", type=_ratio("--core-ratio"), default=0.01, help="core set size / parameter numel")
@@ -297,8 +298,6 @@ def _resolve_launch(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: --world-size {args.world_size} exceeds the {torch.cuda.device_count()} visible GPUs")
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // max(1, args.local_world_size))
-    if args.powersgd_start_iter < 2:
-        raise SystemExit("error: --powersgd-start-iter must be >= 2 (PowerSGD's error feedback needs a dense warm-up)")
     if args.momentum is not None and not 0.0 <= args.momentum < 1.0:
         raise SystemExit(f"error: --momentum must be in [0, 1), got {args.momentum}")
     if args.weight_decay < 0:

@@ -53,7 +53,8 @@ inline uint32_t key_at(const T* w, const T* g, int64_t i) {
   return score_key(score_value(fw, fg, M));
 }
 
-// splitmix64: positions of the threshold sample (affects speed only, never results).
+// splitmix64: positions of the threshold sample and explore hash-set slots (affect
+// speed only, never results).
 inline uint64_t mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
