@@ -1,0 +1,946 @@
+"""The Slim-DP compressor core: shared index sets, error feedback, per-parameter state.
+
+Slim-DP (Sun, Chen, Bian, Liu, Liu, "Slim-DP: A Light Communication Data
+Parallelism for DNN", arXiv 1709.09393, AAMAS 2018) communicates, each step,
+only the *core set* (the coordinates that are significant in the latest
+snapshot, significance = ``|w| * |g|``, Sec. 3.1) plus a random *explore set*
+of other coordinates (Sec. 3.2). The paper uses a parameter server; on
+all-reduce there is none, so the index set is **shared**: every rank derives
+the same index set from state that is identical on every rank (the weights
+and the last *globally averaged* value of each coordinate), so only the packed
+values travel, through one dense ``all_reduce`` of ``k + m`` elements per
+group. There is no index traffic and the bytes per rank do not grow with the
+world size.
+
+:class:`SlimDPCompressor` is that logic once, independent of what carries the
+values. It synchronises a *group*: a flat buffer holding several tensors
+(positions), each with its own state. Its adapters:
+
+* :mod:`slimcomm.hooks` -- the DDP communication hook: a group is a DDP
+  bucket of gradients (the SGD path).
+* :mod:`slimcomm.optim` -- the optimizer-side sync: a group is a run of
+  pseudo-gradients (outer parameters minus local parameters after local
+  steps), for AdamW and other adaptive optimizers.
+
+Per tensor ``p`` (position ``pos``, ``n`` elements) and per synchronised step
+``t``:
+
+1. ``acc = buf + error_decay * residual`` (error feedback; fp32; local to
+   the rank).
+2. Core set, refreshed when ``(t - warmup_steps) % core_refresh == 0``: the
+   ``k`` coordinates with the largest ``|w| * |G|`` (``score``), where ``w``
+   is the tensor's value (identical on all ranks) and ``G`` the last
+   globally averaged value per coordinate
+   (``slimcomm.ops.significance_topk_segmented``).
+3. Explore set: ``m`` coordinates outside the core set from
+   ``slimcomm.ops.explore_sample_segmented`` with ``seed`` and RNG offset
+   :func:`explore_rng_offset` ``(t, pos)`` -- never torch's global RNG,
+   never the group index.
+4. ``values = pack(acc, core ∪ explore) / world_size`` (cast to
+   ``value_dtype``), one ``all_reduce`` per group.
+5. The buffer becomes zeros with the averaged values at the index set;
+   ``G[index set] = values``; ``residual = acc`` with the sent coordinates
+   zeroed.
+
+``k, m = selection_sizes(n, core_ratio, explore_ratio)``; a tensor with
+``k + m >= n`` is sent densely inside the same packed buffer, and a group of
+only such tensors is a plain all-reduce. Everything is per position, so the
+result does not depend on how tensors are grouped (DDP's ``bucket_cap_mb``,
+its bucket rebuild after the first iteration, a new DDP instance after a
+checkpoint).
+
+``index_mode="local"`` is the classic per-rank top-k / deep gradient
+compression baseline (each rank its own top-k of ``|w| * |acc|`` plus
+explore, all-gathered (index, value) pairs); with ``error_decay < 1`` on
+pseudo-gradients it is SparseLoCo's compressor (arXiv 2508.15706, Sec. 3).
+"""
+
+import logging
+import math
+import threading
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .agreement import agree_across_ranks, max_min_across_ranks
+
+__all__ = ["SlimDPCompressor", "selection_sizes", "explore_rng_offset"]
+
+logger = logging.getLogger(__name__)
+
+_VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_STATE_VERSION = 1
+
+# torch >= 2.12 renamed all_gather_into_tensor to all_gather_single.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def selection_sizes(numel: int, core_ratio: float, explore_ratio: float) -> Tuple[int, int, bool]:
+    """Core size ``k``, explore size ``m`` and the dense flag of one parameter.
+
+    ``k = max(1, ceil(core_ratio * numel))``; ``m = max(1, ceil(explore_ratio *
+    numel))`` (``m = 0`` when ``explore_ratio == 0``). The products are rounded
+    to 6 decimals before the ceiling so that float noise (``0.01 * 300 =
+    3.0000000000000004``) does not add an element. When ``k + m >= numel``
+    the parameter is *dense*: all ``numel`` coordinates are sent and
+    ``(numel, 0, True)`` is returned.
+
+    Args:
+        numel: number of elements of the parameter, ``>= 0``.
+        core_ratio: fraction in ``(0, 1]``.
+        explore_ratio: fraction in ``[0, 1]``.
+
+    Returns:
+        ``(k, m, dense)``.
+
+    Raises:
+        ValueError: ``numel`` not an int ``>= 0``, or a ratio out of range
+            (the message names the argument).
+    """
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+    if not 0 < core_ratio <= 1:
+        raise ValueError(f"core_ratio must be in (0, 1], got {core_ratio!r}")
+    if not 0 <= explore_ratio <= 1:
+        raise ValueError(f"explore_ratio must be in [0, 1], got {explore_ratio!r}")
+    k = max(1, math.ceil(round(core_ratio * numel, 6)))
+    m = max(1, math.ceil(round(explore_ratio * numel, 6))) if explore_ratio > 0 else 0
+    if k + m >= numel:
+        return numel, 0, True
+    return k, m, False
+
+
+def explore_rng_offset(step: int, position: int) -> int:
+    """RNG offset of the explore set of parameter ``position`` at step ``step``.
+
+    ``step * 2**32 + position``: a distinct Philox stream per (step,
+    parameter), identical on every rank and independent of bucketing.
+    """
+    return (step << 32) + position
+
+
+class _Layout:
+    """Flat per-bucket storage for the per-parameter state of one bucket layout.
+
+    The authoritative state of parameter ``positions[s]`` is segment ``s`` of
+    these flat buffers; when DDP regroups parameters a new layout is built by
+    copying each parameter's segment (see ``SlimDPCompressor.layout_for``).
+    """
+
+    __slots__ = (
+        "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
+        "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
+        "core", "topk_ks", "has_dense", "names", "zeros", "pending", "label",
+    )
+
+    def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
+        self.positions = positions
+        self.numels = numels
+        self.names = names
+        self.offsets = [0]
+        for n in numels:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = self.offsets[-1]
+        sizes = [selection_sizes(n, *ratios) for n in numels]
+        self.ks = [k for k, _, _ in sizes]
+        self.ms = [m for _, m, _ in sizes]
+        self.dense = [d for _, _, d in sizes]
+        self.all_dense = all(self.dense)
+        self.has_dense = any(self.dense)
+        self.topk_ks = [0 if d else k for k, d in zip(self.ks, self.dense)]
+        self.core_offsets = [0]
+        for k in self.ks:
+            self.core_offsets.append(self.core_offsets[-1] + k)
+        self.device = device
+        self.dtype = dtype
+        self.G = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        if error_feedback:
+            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
+            self.spare = torch.empty(self.numel, dtype=torch.float32, device=device)
+        else:
+            self.residual = None
+            self.spare = None
+        self.core: Optional[torch.Tensor] = None  # int64 [sum ks], bucket-flat indices
+        self.zeros: Optional[torch.Tensor] = None  # fp32 [K] cache for zeroing sent residuals
+        # Parameter-local cores known for some segments only (from a checkpoint or an
+        # older layout) while others must be computed: list of tensor-or-None.
+        self.pending: Optional[List[Optional[torch.Tensor]]] = None
+        self.label = ""  # names the group in errors, e.g. "bucket 3"
+
+    def seg(self, s):
+        return self.offsets[s], self.offsets[s + 1]
+
+
+class SlimDPCompressor:
+    r"""Slim-DP index sets, error feedback and per-position state for flat groups.
+
+    Transport-agnostic core behind :class:`slimcomm.hooks.SlimDPState` (DDP
+    comm hook) and :class:`slimcomm.optim.SlimDPOptimizer` (optimizer-side
+    sync); see the module docstring for the algorithm. Users normally build
+    one of those; the hyperparameters below are documented there too.
+
+    Hyperparameters (keyword arguments): ``process_group`` (``None`` = the
+    default group), ``core_ratio`` (0, 1], ``explore_ratio`` [0, 1],
+    ``core_refresh`` (int >= 1, synchronised steps between core-set
+    refreshes), ``warmup_steps`` (dense steps first; ``G`` starts from the
+    dense average), ``score`` (``"product"`` = ``|w| * |G|``, ``"grad"``,
+    ``"weight"``), ``index_mode`` (``"shared"`` or ``"local"``),
+    ``error_feedback`` (bool), ``error_decay`` (0, 1]: the residual is
+    multiplied by it before the next values are added (1 = classic error
+    feedback; SparseLoCo uses it as outer momentum), ``value_dtype`` (wire
+    dtype: ``None`` = the buffer's, or fp32/fp16/bf16), ``seed`` (64-bit int,
+    equal on all ranks), ``check_agreement_every`` (int >= 0, every n-th
+    compressed step checks the index sets across ranks).
+
+    State per position: fp32 ``residual``, fp32 ``G``, the core set (int64
+    position-local indices), and the step counter ``step`` (also the explore
+    RNG position). ``state_dict()`` holds this rank's residuals: every rank
+    saves and loads its own.
+
+    Raises:
+        ValueError: a hyperparameter out of range (the message names it).
+    """
+
+    # Subclasses tighten these (the DDP hook needs 2 dense warm-up steps).
+    _MIN_WARMUP = 0
+    _WARMUP_WHY = ""
+    _HYPERPARAMETERS = ("core_ratio", "explore_ratio", "core_refresh", "warmup_steps", "score",
+                        "index_mode", "error_feedback", "error_decay", "value_dtype", "seed",
+                        "check_agreement_every")
+
+    __slots__ = [
+        "process_group",
+        # hyperparameters
+        "core_ratio",
+        "explore_ratio",
+        "core_refresh",
+        "warmup_steps",
+        "score",
+        "index_mode",
+        "error_feedback",
+        "error_decay",
+        "value_dtype",
+        "seed",
+        "check_agreement_every",
+        # internal state
+        "step",
+        "_positions",   # id(param) -> position in model.parameters()
+        "_names",       # position -> name
+        "_numels",      # position -> numel
+        "_params",      # strong references matching _positions' ids
+        "_layouts",     # tuple(positions) -> _Layout
+        "_slots",       # position -> (layout, segment)
+        "_loaded",      # position -> dict from load_state_dict, not yet placed
+        "_stats",
+        "_step_acc",
+        "_lock",
+    ]
+
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        core_ratio: float = 0.01,
+        explore_ratio: float = 0.01,
+        core_refresh: int = 10,
+        warmup_steps: int = 2,
+        score: str = "product",
+        index_mode: str = "shared",
+        error_feedback: bool = True,
+        error_decay: float = 1.0,
+        value_dtype: Optional[torch.dtype] = None,
+        seed: int = 0,
+        check_agreement_every: int = 0,
+    ):
+        if not isinstance(core_ratio, (int, float)) or not 0 < core_ratio <= 1:
+            raise ValueError(f"core_ratio must be in (0, 1], got {core_ratio!r}")
+        if not isinstance(explore_ratio, (int, float)) or not 0 <= explore_ratio <= 1:
+            raise ValueError(f"explore_ratio must be in [0, 1], got {explore_ratio!r}")
+        if not isinstance(core_refresh, int) or core_refresh < 1:
+            raise ValueError(f"core_refresh must be an int >= 1, got {core_refresh!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < self._MIN_WARMUP:
+            raise ValueError(
+                f"warmup_steps must be an int >= {self._MIN_WARMUP}{self._WARMUP_WHY}, "
+                f"got {warmup_steps!r}"
+            )
+        if not isinstance(error_decay, (int, float)) or not 0 < error_decay <= 1:
+            raise ValueError(f"error_decay must be in (0, 1], got {error_decay!r}")
+        if score not in ops.SCORES:
+            raise ValueError(f"score must be one of {ops.SCORES}, got {score!r}")
+        if index_mode not in ("shared", "local"):
+            raise ValueError(f"index_mode must be 'shared' or 'local', got {index_mode!r}")
+        if value_dtype is not None and value_dtype not in _VALUE_DTYPES:
+            raise ValueError(
+                f"value_dtype must be None or one of {_VALUE_DTYPES}, got {value_dtype!r}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [-2**63, 2**64) (64 bits), got {seed!r}")
+        if not isinstance(check_agreement_every, int) or check_agreement_every < 0:
+            raise ValueError(
+                f"check_agreement_every must be an int >= 0, got {check_agreement_every!r}"
+            )
+        self.process_group = process_group
+        self.core_ratio = float(core_ratio)
+        self.explore_ratio = float(explore_ratio)
+        self.core_refresh = core_refresh
+        self.warmup_steps = warmup_steps
+        self.score = score
+        self.index_mode = index_mode
+        self.error_feedback = bool(error_feedback)
+        self.error_decay = float(error_decay)
+        self.value_dtype = value_dtype
+        self.seed = seed
+        self.check_agreement_every = check_agreement_every
+        self.step = 0
+        self._positions: Dict[int, int] = {}
+        self._names: List[str] = []
+        self._numels: List[int] = []
+        self._params: List[torch.Tensor] = []
+        self._layouts: Dict[Tuple[int, ...], _Layout] = {}
+        self._slots: Dict[int, Tuple[_Layout, int]] = {}
+        self._loaded: Dict[int, Dict[str, Any]] = {}
+        self._stats = _new_stats()
+        self._step_acc = _new_counts()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ parameters
+    def attach_parameters(self, named: Sequence[Tuple[str, torch.Tensor]]) -> "SlimDPCompressor":
+        """Give every synchronised tensor a stable position; call before the first sync.
+
+        Args:
+            named: ``(name, tensor)`` pairs; position ``i`` is the ``i``-th
+                pair. The tensors' values must be identical on every rank
+                when :meth:`synchronize` runs (the core set is scored on
+                them): the model's parameters for a DDP hook, the outer
+                (anchor) parameters for an optimizer-side sync.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: already-held state (from :meth:`load_state_dict` or
+                training) names a position that has a different name or size
+                in ``named``.
+        """
+        names = [n for n, _ in named]
+        numels = [t.numel() for _, t in named]
+        old_names, old_numels = self._names, self._numels
+        held = set(self._slots) | set(self._loaded)
+        for pos in sorted(held):
+            want_name = self._loaded[pos]["name"] if pos in self._loaded else old_names[pos]
+            want_numel = self._loaded[pos]["numel"] if pos in self._loaded else old_numels[pos]
+            if pos >= len(named) or names[pos] != want_name or numels[pos] != want_numel:
+                got = f"{names[pos]!r} ({numels[pos]} elements)" if pos < len(named) else "nothing"
+                raise ValueError(
+                    f"model: {type(self).__name__} state for parameter position {pos} belongs "
+                    f"to {want_name!r} ({want_numel} elements) but the model has {got} there"
+                )
+        self._params = [t for _, t in named]
+        self._positions = {id(t): i for i, t in enumerate(self._params)}
+        self._names = names
+        self._numels = numels
+        return self
+
+    # ------------------------------------------------------------ layouts
+    def layout_for(self, key_fn: Callable[[], Tuple[int, ...]],
+                   check_fn: Callable[[Tuple[int, ...]], Tuple[torch.device, torch.dtype]],
+                   label: str, device: torch.device) -> _Layout:
+        """The layout of a group of positions; a new one is checked across ranks.
+
+        Collective for a new layout only (one small all-reduce); a known
+        layout is a dictionary lookup.
+
+        Args:
+            key_fn: returns the group's positions (a tuple of ints); may raise
+                ``RuntimeError`` for a mistake only this rank can see.
+            check_fn: for a new layout, validates the group's flat buffer and
+                returns its ``(device, dtype)``; may raise ``RuntimeError``.
+            label: names the group in errors (e.g. ``"bucket 3"``).
+            device: where the cross-rank check is reduced.
+
+        A mistake only this rank can see is raised only after it has been
+        signalled in the cross-rank check that every rank runs for a new
+        layout, so the other ranks raise too instead of blocking in a
+        collective.
+        """
+        layout: Optional[_Layout] = None
+        error: Optional[RuntimeError] = None
+        try:
+            if not self._positions:
+                raise RuntimeError(
+                    f"{type(self).__name__} is not attached to a model: call "
+                    f"state.attach(ddp_model) (or pass model=) before the first backward pass"
+                )
+            key = key_fn()
+            layout = self._layouts.get(key)
+            if layout is not None:
+                return layout
+            dev, dtype = check_fn(key)
+            layout = _Layout(
+                list(key), [self._numels[i] for i in key], [self._names[i] for i in key],
+                (self.core_ratio, self.explore_ratio), dev, dtype, self.error_feedback,
+            )
+            layout.label = label
+        except RuntimeError as exc:
+            error = exc
+        self._verify_layout_across_ranks(layout, label, device, error)
+        self._move_state_into(layout)
+        # Older layouts that share a parameter are stale now.
+        key = tuple(layout.positions)
+        for old_key in [k for k in self._layouts if set(k) & set(key)]:
+            del self._layouts[old_key]
+        self._layouts[key] = layout
+        return layout
+
+    def _hyperparameters(self) -> Tuple:
+        return (self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
+                self.score, self.index_mode, self.error_feedback, self.error_decay,
+                str(self.value_dtype), self.seed, self.check_agreement_every)
+
+    def _verify_layout_across_ranks(self, layout: Optional[_Layout], label: str,
+                                    device: torch.device,
+                                    error: Optional[RuntimeError] = None) -> None:
+        """Once per new layout: check that every rank agrees on the group's
+        parameters, the sizes on the wire, the hyperparameters and the step (a
+        mismatch would otherwise mismatch collective sizes and hang or corrupt),
+        and that no rank failed to build its layout (``error``, re-raised here
+        after the exchange; the other ranks raise a RuntimeError that says so).
+        One all-reduce (MAX of ``[x, -x]``) of a few int64 values."""
+        failed = error is not None
+        items = {
+            "parameter positions": 0 if failed else zlib.crc32(repr(layout.positions).encode()),
+            "bucket size": 0 if failed else layout.numel,
+            "core + explore sizes": 0 if failed else sum(layout.ks) + sum(layout.ms),
+            "hyperparameters": zlib.crc32(repr(self._hyperparameters()).encode()),
+            "step": self.step,
+        }
+        name = type(self).__name__
+        differ = agree_across_ranks(
+            items, error, group=self.group, device=device,
+            other_failed=(
+                f"{name}: another rank could not map {label} to its "
+                f"Slim-DP state (see the error raised on that rank, e.g. a state that is not "
+                f"attached or attached to another model); no rank can proceed"))
+        if differ:
+            raise RuntimeError(
+                f"{name} differs across ranks for {label} (parameters "
+                f"{layout.names}): {', '.join(differ)}. Construct {name} with the same "
+                f"arguments on every rank and load each rank's own checkpoint of the same step."
+            )
+
+    def _move_state_into(self, layout: _Layout) -> None:
+        """Copy each parameter's residual, G and core into ``layout``'s segments."""
+        cores: List[Optional[torch.Tensor]] = []
+        for s, pos in enumerate(layout.positions):
+            lo, hi = layout.seg(s)
+            core = None
+            if pos in self._slots:
+                old, os_ = self._slots[pos]
+                olo, ohi = old.seg(os_)
+                layout.G[lo:hi].copy_(old.G[olo:ohi])
+                if layout.residual is not None and old.residual is not None:
+                    layout.residual[lo:hi].copy_(old.residual[olo:ohi])
+                if old.core is not None:
+                    core = old.core[old.core_offsets[os_]:old.core_offsets[os_ + 1]] - olo
+            elif pos in self._loaded:
+                d = self._loaded.pop(pos)
+                layout.G[lo:hi].copy_(d["G"].reshape(-1))
+                if layout.residual is not None and d.get("residual") is not None:
+                    layout.residual[lo:hi].copy_(d["residual"].reshape(-1))
+                core = d.get("core")
+                if core is not None:
+                    core = core.to(device=layout.device, dtype=torch.int64)
+            if core is not None and core.numel() != layout.ks[s]:
+                core = None  # sizes changed (new ratios): recompute at the next sparse step
+            cores.append(core)
+            self._slots[pos] = (layout, s)
+        if cores and all(c is not None for c in cores):
+            layout.core = torch.cat([c + layout.offsets[s] for s, c in enumerate(cores)])
+        elif any(c is not None for c in cores):
+            layout.pending = cores
+
+    # ------------------------------------------------------------ synchronisation
+    @property
+    def group(self):
+        """The process group values are reduced over (the default group if ``None``)."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def synchronize(self, layout: _Layout, buf: torch.Tensor,
+                    weight: Optional[torch.Tensor] = None,
+                    warmup_dtype: Optional[torch.dtype] = None) -> torch.futures.Future:
+        """Start averaging one group's flat buffer over the ranks, Slim-DP style.
+
+        Args:
+            layout: from :meth:`layout_for`; ``buf`` must match it.
+            buf: flat ``[N]`` fp32/fp16/bf16, the group's per-rank values
+                (gradients for the DDP hook, pseudo-gradients for the
+                optimizer-side sync), written in place.
+            weight: flat fp32 ``[N]`` of the values the core set is scored on
+                (identical on every rank); ``None`` gathers the attached
+                tensors (only when the score needs them).
+            warmup_dtype: wire dtype of the dense warm-up steps (default
+                ``buf``'s dtype: bit-identical to a plain averaged all-reduce).
+
+        Returns:
+            a future of ``buf`` holding, when it completes: the dense average
+            during warm-up and for groups of dense parameters only; otherwise
+            zeros except the averaged values at the group's index set. A
+            parameter whose values held NaN/inf on any rank comes back filled
+            with NaN on every rank, and its residual and ``G`` are not updated.
+
+        One collective per call (two in ``"local"`` mode, all-gathers), issued
+        from the calling thread; the caller closes the step with
+        :meth:`end_step` after the last group.
+        """
+        world_size = dist.get_world_size(self.group)
+        step = self.step
+        if step < self.warmup_steps:
+            return _dense(self, layout, buf, world_size, warmup_dtype or buf.dtype)
+        if layout.all_dense:
+            return _dense(self, layout, buf, world_size, self.value_dtype or buf.dtype)
+        if self.index_mode == "shared":
+            return _shared(self, layout, buf, world_size, step, weight)
+        return _local(self, layout, buf, world_size, step, weight)
+
+    # ------------------------------------------------------------ core set
+    def _refresh_core(self, layout: _Layout, force_all: bool,
+                      weight: Optional[torch.Tensor]) -> None:
+        """Recompute the core set: every segment if ``force_all`` (a refresh step),
+        else only the segments without a known core (``layout.pending``)."""
+        pending = None if force_all else layout.pending
+        layout.pending = None
+        if pending is None:
+            ks = layout.topk_ks
+        else:
+            ks = [k if c is None else 0 for k, c in zip(layout.topk_ks, pending)]
+        if self.score == "grad":
+            weight = layout.G
+        elif weight is None:
+            weight = self._flat_weight(layout)
+        idx, _ = ops.significance_topk_segmented(weight, layout.G, layout.offsets, ks, self.score)
+        if pending is None and not layout.has_dense:
+            layout.core = idx
+            return
+        parts, at = [], 0
+        for s in range(len(layout.positions)):
+            lo, hi = layout.seg(s)
+            if layout.dense[s]:
+                parts.append(torch.arange(lo, hi, dtype=torch.int64, device=layout.device))
+            elif pending is not None and pending[s] is not None:
+                parts.append(pending[s] + lo)
+            else:
+                parts.append(idx[at:at + ks[s]])
+                at += ks[s]
+        layout.core = torch.cat(parts)
+
+    def _flat_weight(self, layout: _Layout) -> torch.Tensor:
+        w = torch.empty(layout.numel, dtype=torch.float32, device=layout.device)
+        for s, pos in enumerate(layout.positions):
+            lo, hi = layout.seg(s)
+            w[lo:hi].copy_(self._params[pos].detach().reshape(-1))
+        return w
+
+    # ------------------------------------------------------------ stats
+    def _count(self, dense_bytes: int, sent_bytes: int, numel: int, sent: int,
+               core: int, explore: int) -> None:
+        with self._lock:
+            c = self._step_acc
+            c["bytes_dense"] += dense_bytes
+            c["bytes_sent"] += sent_bytes
+            c["elements"] += numel
+            c["elements_sent"] += sent
+            c["core"] += core
+            c["explore"] += explore
+
+    def end_step(self) -> None:
+        """Close one synchronised step: fold its counts into the stats, advance ``step``."""
+        with self._lock:
+            last = self._step_acc
+            last["density"] = last["elements_sent"] / last["elements"] if last["elements"] else 0.0
+            tot = self._stats["total"]
+            for key in ("bytes_dense", "bytes_sent", "elements", "elements_sent", "core", "explore"):
+                tot[key] += last[key]
+            tot["density"] = tot["elements_sent"] / tot["elements"] if tot["elements"] else 0.0
+            self._stats["last"] = last
+            self._stats["steps"] += 1
+            self._step_acc = _new_counts()
+            self.step += 1
+
+    def _note_nonfinite(self, n: int) -> None:
+        with self._lock:
+            self._stats["nonfinite_fallbacks"] += n
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        """Communication statistics (a copy).
+
+        Returns a dict with ``steps`` (synchronised steps seen),
+        ``nonfinite_fallbacks`` (parameter-steps whose averaged gradient
+        held NaN/inf, so residual and ``G`` were not updated), and ``last`` / ``total`` (the last step, cumulative), each a
+        dict of: ``bytes_sent`` (bytes this rank put into collectives,
+        including the flag element and any agreement checksums),
+        ``bytes_dense`` (what DDP's default all-reduce would have put in),
+        ``elements`` / ``elements_sent`` (gradient coordinates, all / sent),
+        ``density`` = ``elements_sent / elements``, ``core`` and ``explore``
+        (coordinates in the core and explore sets; dense parameters count as
+        core). A ring all-reduce moves about ``2 (W-1)/W`` times
+        ``bytes_sent`` over each rank's link; an all-gather (``"local"``
+        mode) receives ``W`` times every rank's contribution.
+        """
+        with self._lock:
+            return {
+                "steps": self._stats["steps"],
+                "nonfinite_fallbacks": self._stats["nonfinite_fallbacks"],
+                "last": dict(self._stats["last"]),
+                "total": dict(self._stats["total"]),
+            }
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's Slim-DP state, for ``torch.save`` (every rank saves its own).
+
+        Returns:
+            dict with ``version``, ``step`` (synchronised steps done; also the
+            explore RNG position), the hyperparameters that determine the
+            index sets (``seed``, ``core_ratio``, ``explore_ratio``,
+            ``core_refresh``, ``warmup_steps``, ``score``, ``index_mode``),
+            ``stats``, and ``params``: ``{position: {"name", "numel",
+            "residual" (fp32 [numel] or None), "G" (fp32 [numel]), "core"
+            (int64 parameter-local indices, or None)}}``. Tensors are clones
+            on the state's device. No process group, no model.
+        """
+        params: Dict[int, Dict[str, Any]] = {}
+        for pos, (layout, s) in self._slots.items():
+            lo, hi = layout.seg(s)
+            core = None
+            if layout.core is not None:
+                core = (layout.core[layout.core_offsets[s]:layout.core_offsets[s + 1]] - lo).clone()
+            elif layout.pending is not None and layout.pending[s] is not None:
+                core = layout.pending[s].clone()
+            params[pos] = {
+                "name": self._names[pos],
+                "numel": hi - lo,
+                "residual": None if layout.residual is None else layout.residual[lo:hi].clone(),
+                "G": layout.G[lo:hi].clone(),
+                "core": core,
+            }
+        for pos, d in self._loaded.items():
+            params[pos] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d.items()}
+        return {
+            "version": _STATE_VERSION,
+            "step": self.step,
+            "seed": self.seed,
+            "core_ratio": self.core_ratio,
+            "explore_ratio": self.explore_ratio,
+            "core_refresh": self.core_refresh,
+            "warmup_steps": self.warmup_steps,
+            "score": self.score,
+            "index_mode": self.index_mode,
+            "error_decay": self.error_decay,
+            "stats": self.stats,
+            "params": params,
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore this rank's state saved by :meth:`state_dict`.
+
+        Call on a fresh state (after or before :meth:`attach`) of the same
+        hyperparameters; the per-parameter entries are placed into whatever
+        buckets the new DDP instance forms. If attached, names and sizes are
+        checked now, otherwise at :meth:`attach`.
+
+        Raises:
+            ValueError: unknown ``version``; ``seed``, ratios, ``core_refresh``,
+                ``warmup_steps``, ``score`` or ``index_mode`` differ from this
+                state's (they determine the index sets); a parameter entry
+                whose name or size does not match the attached model.
+        """
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"state_dict: unknown version {state_dict.get('version')!r} "
+                f"(expected {_STATE_VERSION})"
+            )
+        for key in ("seed", "core_ratio", "explore_ratio", "core_refresh", "warmup_steps",
+                    "score", "index_mode", "error_decay"):
+            saved = state_dict.get(key, 1.0) if key == "error_decay" else state_dict[key]
+            if saved != getattr(self, key):
+                raise ValueError(
+                    f"state_dict: {key} was {saved!r} when saved but this state "
+                    f"has {getattr(self, key)!r}; construct {type(self).__name__} with the "
+                    f"same value"
+                )
+        loaded = {}
+        for pos, d in state_dict["params"].items():
+            pos = int(pos)
+            if pos < 0:
+                raise ValueError(f"state_dict: negative parameter position {pos}")
+            for field in ("name", "numel", "G"):
+                if field not in d:
+                    raise ValueError(f"state_dict: parameter {pos} lacks {field!r}")
+            if d["G"].numel() != d["numel"] or (
+                d.get("residual") is not None and d["residual"].numel() != d["numel"]
+            ):
+                raise ValueError(f"state_dict: parameter {pos} ({d['name']}) has tensors "
+                                 f"whose size differs from numel={d['numel']}")
+            loaded[pos] = dict(d)
+        if self._names:
+            for pos, d in loaded.items():
+                if pos >= len(self._names) or self._names[pos] != d["name"] or \
+                        self._numels[pos] != d["numel"]:
+                    got = (f"{self._names[pos]!r} ({self._numels[pos]} elements)"
+                           if pos < len(self._names) else "nothing")
+                    raise ValueError(
+                        f"state_dict: parameter position {pos} was {d['name']!r} "
+                        f"({d['numel']} elements) but the attached model has {got} there"
+                    )
+        self._layouts.clear()
+        self._slots.clear()
+        self._loaded = loaded
+        self.step = int(state_dict["step"])
+        st = state_dict.get("stats")
+        with self._lock:
+            self._stats = _new_stats()
+            if st:
+                self._stats["steps"] = st["steps"]
+                self._stats["nonfinite_fallbacks"] = st["nonfinite_fallbacks"]
+                self._stats["last"] = dict(st["last"])
+                self._stats["total"] = dict(st["total"])
+            self._step_acc = _new_counts()
+
+    # ------------------------------------------------------------ pickling
+    def __getstate__(self):
+        """Hyperparameters and :meth:`state_dict`; no process group, no model."""
+        logger.warning("NOTE: the process group and the model are not pickled with "
+                       "%s; call attach(model) after unpickling.", type(self).__name__)
+        hp = {s: getattr(self, s) for s in self._HYPERPARAMETERS}
+        return {"hyperparameters": hp, "state": self.state_dict()}
+
+    def __setstate__(self, state):
+        """Rebuild with the default process group; re-attach the model afterwards."""
+        self.__init__(process_group=None, **state["hyperparameters"])
+        self.load_state_dict(state["state"])
+
+
+
+def _new_counts() -> Dict[str, Any]:
+    return {"bytes_dense": 0, "bytes_sent": 0, "elements": 0, "elements_sent": 0,
+            "core": 0, "explore": 0, "density": 0.0}
+
+
+def _new_stats() -> Dict[str, Any]:
+    return {"steps": 0, "nonfinite_fallbacks": 0, "last": _new_counts(), "total": _new_counts()}
+
+
+
+# ---------------------------------------------------------------------------
+# Synchronising one group
+# ---------------------------------------------------------------------------
+#
+# Ordering rule: every collective is issued from the caller's thread (for the
+# DDP hook, DDP's), never from a future callback (those run on the backend's
+# thread, concurrently with the next group's call, so a collective there could
+# be matched with a different collective on another rank). Non-finite values
+# are therefore signalled in-band: one flag element per position travels with
+# the values.
+
+def _dense(state, layout, buf, world_size, wire_dtype):
+    """Plain average; ``G`` <- the average (parameters whose average is finite).
+
+    With the wire dtype equal to the bucket's (always during warm-up) this is
+    exactly DDP's default hook. After warm-up the values travel in
+    ``value_dtype`` like dense parameters inside mixed buckets do, so a dense
+    parameter is averaged the same way whatever bucket it lands in.
+    """
+    n = buf.numel()
+    if wire_dtype == buf.dtype:
+        wire = buf.div_(world_size)
+    else:
+        wire = buf.float().div_(world_size).to(wire_dtype)
+    state._count(n * buf.element_size(), n * wire.element_size(), n, n, n, 0)
+    fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
+
+    def done(f):
+        out = f.value()[0]
+        if out is not buf:
+            buf.copy_(out)
+        if bool(torch.isfinite(out.sum(dtype=torch.float32))):
+            layout.G.copy_(out)
+        else:
+            bad = 0
+            for s in range(len(layout.positions)):
+                lo, hi = layout.seg(s)
+                if bool(torch.isfinite(out[lo:hi]).all()):
+                    layout.G[lo:hi].copy_(out[lo:hi])
+                else:
+                    bad += 1
+            state._note_nonfinite(bad)
+        return buf
+
+    return fut.then(done)
+
+
+def _accumulate(state, layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
+    """``acc = buf + error_decay * residual`` in fp32, into the spare buffer (the residual is kept)."""
+    if layout.residual is None:
+        return buf if buf.dtype == torch.float32 else buf.float()
+    if state.error_decay != 1.0:
+        return torch.add(buf, layout.residual, alpha=state.error_decay, out=layout.spare)
+    return torch.add(layout.residual, buf, out=layout.spare)
+
+
+def _segment_flags(layout: _Layout, acc: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[S]``: 0 where the parameter's ``acc`` is finite, NaN otherwise (exact)."""
+    flags = torch.empty(len(layout.positions), dtype=torch.float32, device=acc.device)
+    for s in range(len(layout.positions)):
+        lo, hi = layout.seg(s)
+        if hi > lo:
+            mn, mx = torch.aminmax(acc[lo:hi])
+            flags[s] = mn * 0.0 + mx * 0.0  # min/max propagate NaN; inf * 0 = NaN
+        else:
+            flags[s] = 0.0
+    return flags
+
+
+def _select_explore(state, layout, core, step):
+    if sum(layout.ms) == 0:
+        return core, 0
+    rng = [explore_rng_offset(step, p) for p in layout.positions]
+    explore = ops.explore_sample_segmented(
+        layout.offsets, core, layout.core_offsets, layout.ms, state.seed, rng)
+    return torch.cat([core, explore]), explore.numel()
+
+
+def _payload(acc, idx, flags, world_size, dtype):
+    """``[pack(acc, idx) / world_size, flags]`` in the wire dtype, one buffer."""
+    vals = ops.pack(acc, idx).div_(world_size)
+    return torch.cat([vals, flags]).to(dtype)
+
+
+def _zero_sent(layout, acc, idx):
+    """``acc`` with the sent coordinates zeroed: the next residual (if the step is finite)."""
+    if layout.residual is None:
+        return
+    k = idx.numel()
+    if layout.zeros is None or layout.zeros.numel() != k:
+        layout.zeros = torch.zeros(k, dtype=torch.float32, device=acc.device)
+    ops.unpack(acc, idx, layout.zeros)
+
+
+def _commit(state, layout, buf, acc, idx, vals, flags):
+    """After the collective: update ``G`` and the residual, fill NaN where flagged."""
+    g_vals = vals if vals.dtype == torch.float32 else vals.float()
+    # One host sync per bucket: a non-finite flag or value makes the sum non-finite
+    # (a finite overflow only sends us down the exact per-parameter path below).
+    finite = bool(torch.isfinite(flags.sum(dtype=torch.float32) + g_vals.sum()))
+    if finite:
+        if state.index_mode == "shared":
+            ops.unpack(layout.G, idx, g_vals)
+        if layout.residual is not None:
+            layout.residual, layout.spare = acc, layout.residual
+        return
+    # Rare path: per parameter, exact.
+    old_g = layout.G.clone() if state.index_mode == "shared" else None
+    if old_g is not None:
+        ops.unpack(layout.G, idx, g_vals)
+    bad = 0
+    for s in range(len(layout.positions)):
+        lo, hi = layout.seg(s)
+        flagged = not bool(torch.isfinite(flags[s]))
+        if flagged:
+            buf[lo:hi].fill_(float("nan"))
+        if flagged or not bool(torch.isfinite(buf[lo:hi]).all()):
+            bad += 1
+            if old_g is not None:
+                layout.G[lo:hi].copy_(old_g[lo:hi])
+            if layout.residual is not None:
+                acc[lo:hi].copy_(layout.residual[lo:hi])
+    if layout.residual is not None:
+        layout.residual, layout.spare = acc, layout.residual
+    state._note_nonfinite(bad)
+
+
+def _shared(state, layout, buf, world_size, step, weight):
+    since = step - state.warmup_steps
+    if since % state.core_refresh == 0 or layout.core is None:
+        state._refresh_core(layout, since % state.core_refresh == 0, weight)
+    idx, n_explore = _select_explore(state, layout, layout.core, step)
+    extra = 0
+    if state.check_agreement_every and since % state.check_agreement_every == 0:
+        extra = _check_agreement(state, layout, idx)
+    acc = _accumulate(state, layout, buf)
+    flags = _segment_flags(layout, acc)
+    wire = _payload(acc, idx, flags, world_size, state.value_dtype or buf.dtype)
+    k = idx.numel()
+    state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size() + extra,
+                 layout.numel, k, k - n_explore, n_explore)
+    _zero_sent(layout, acc, idx)
+    fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
+
+    def done(f):
+        avg = f.value()[0]
+        vals = avg[:k]
+        buf.zero_()
+        ops.unpack(buf, idx, vals if vals.dtype == buf.dtype else vals.to(buf.dtype))
+        _commit(state, layout, buf, acc, idx, vals, avg[k:])
+        return buf
+
+    return fut.then(done)
+
+
+def _local(state, layout, buf, world_size, step, weight):
+    acc = _accumulate(state, layout, buf)
+    if state.score == "grad":
+        weight = acc
+    elif weight is None:
+        weight = state._flat_weight(layout)
+    core, _ = ops.significance_topk_segmented(weight, acc, layout.offsets, layout.ks, state.score)
+    idx, n_explore = _select_explore(state, layout, core, step)
+    flags = _segment_flags(layout, acc)
+    wire_dtype = state.value_dtype or buf.dtype
+    wire = _payload(acc, idx, flags, world_size, wire_dtype)
+    k = idx.numel()
+    S = flags.numel()
+    state._count(layout.numel * buf.element_size(),
+                 wire.numel() * wire.element_size() + k * 8,
+                 layout.numel, k, k - n_explore, n_explore)
+    _zero_sent(layout, acc, idx)
+    all_idx = torch.empty(world_size * k, dtype=torch.int64, device=idx.device)
+    all_val = torch.empty(world_size * (k + S), dtype=wire_dtype, device=idx.device)
+    f1 = _ALL_GATHER(all_idx, idx, group=state.group, async_op=True).get_future()
+    f2 = _ALL_GATHER(all_val, wire, group=state.group, async_op=True).get_future()
+
+    def done(_):
+        vals = all_val.view(world_size, k + S)
+        ids = all_idx.view(world_size, k)
+        out = buf if buf.dtype == torch.float32 else torch.empty(
+            buf.numel(), dtype=torch.float32, device=buf.device)
+        out.zero_()
+        for r in range(world_size):
+            v = vals[r, :k]
+            ops.unpack(out, ids[r], v if v.dtype == torch.float32 else v.float(), True)
+        if out is not buf:
+            buf.copy_(out)
+        flags_all = vals[:, k:].float().sum(0)
+        _commit(state, layout, buf, acc, idx, out[:0], flags_all)
+        return buf
+
+    return torch.futures.collect_all([f1, f2]).then(done)
+
+
+def _check_agreement(state, layout, idx) -> int:
+    """Checksum all-reduce (MAX of [x, -x]) of the index set; raise on every rank if it differs."""
+    k = idx.numel()
+    w = torch.arange(1, k + 1, dtype=torch.int64, device=idx.device)
+    sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(),
+                        torch.tensor(k, dtype=torch.int64, device=idx.device)])
+    hi, lo = max_min_across_ranks(sums, state.group)
+    if not torch.equal(hi, lo):
+        raise RuntimeError(
+            f"Slim-DP index sets differ across ranks in {layout.label} (parameters "
+            f"{layout.names}) at step {state.step}: the weights or the global gradient "
+            f"estimate G diverged between ranks (different initial weights, a "
+            f"non-deterministic optimizer, or state loaded from another rank's checkpoint)"
+        )
+    return 2 * sums.numel() * sums.element_size()
