@@ -1,0 +1,405 @@
+"""Optimizer-side Slim-DP: local steps, then a compressed outer synchronisation.
+
+The DDP hook (:mod:`slimcomm.hooks`) compresses gradients, which is right for
+SGD but wrong for Adam-type optimizers: Adam normalises every coordinate every
+step, so a coordinate whose sparse gradient waits ~50 steps in the error
+feedback residual moves about one learning-rate step instead of ~50. This
+module compresses the *optimizer's update* instead, in the local-steps form
+of DiLoCo (Douillard et al., arXiv 2311.08105, Alg. 1):
+
+1. every rank steps its own inner optimizer (e.g. AdamW) on its local
+   gradients for ``sync_every`` steps (no communication);
+2. pseudo-gradient ``delta = outer - local`` (the outer parameters are
+   identical on every rank);
+3. ``delta`` goes through the one Slim-DP compressor core
+   (:class:`slimcomm.compressor.SlimDPCompressor`): error feedback keeps
+   the unsent part of each update with its full magnitude, and the index set
+   is *shared* (core set scored by ``|outer| * |G|``, plus a Philox explore
+   set), so one all-reduce of ``k + m`` values per group and no indices
+   travel;
+4. outer step on the averaged sparse ``delta`` (SGD with optional
+   (Nesterov) momentum, as in DiLoCo), then every rank's parameters are set
+   to the new outer parameters, so replicas are identical after every sync.
+
+The same class gives the baselines: ``compression="dense"`` is DiLoCo (dense
+averaged pseudo-gradient, outer Nesterov SGD), ``compression="local"`` with
+``error_decay < 1`` and plain outer SGD is SparseLoCo (Sarfi et al., arXiv
+2508.15706, Alg. 1: per-rank top-k of an error-feedback accumulator decayed by
+``beta``, all-gathered).
+
+Usage (no DDP wrapper needed; every rank runs the same code)::
+
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    opt = SlimDPOptimizer(model, inner, sync_every=8, core_ratio=0.05, explore_ratio=0.05)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # local gradient
+        opt.step()                   # inner step; every 8th call also synchronises
+    opt.synchronize()                # before evaluating or saving: replicas identical
+
+With a ``GradScaler``: ``scaler.step(opt.inner); scaler.update(); opt.advance()``
+(a step skipped on one rank must still be counted on every rank).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .agreement import agree_across_ranks
+from .compressor import SlimDPCompressor
+
+__all__ = ["SlimDPOptimizer", "COMPRESSIONS"]
+
+COMPRESSIONS = ("shared", "local", "dense")
+_STATE_VERSION = 1
+
+
+class _Group:
+    """One flat run of parameters: outer copy, scratch, momentum, views."""
+
+    __slots__ = ("positions", "params", "outer", "outer_views", "scratch", "scratch_views",
+                 "momentum", "key")
+
+    def __init__(self, positions: List[int], params: List[torch.Tensor], momentum: bool):
+        self.positions = positions
+        self.key = tuple(positions)
+        self.params = params
+        n = sum(p.numel() for p in params)
+        dev = params[0].device
+        self.outer = torch.empty(n, dtype=torch.float32, device=dev)
+        self.scratch = torch.empty(n, dtype=torch.float32, device=dev)
+        self.outer_views, self.scratch_views = [], []
+        off = 0
+        for p in params:
+            self.outer_views.append(self.outer[off:off + p.numel()].view(p.shape))
+            self.scratch_views.append(self.scratch[off:off + p.numel()].view(p.shape))
+            off += p.numel()
+        self.momentum = torch.zeros(n, dtype=torch.float32, device=dev) if momentum else None
+
+
+class SlimDPOptimizer:
+    r"""Local steps of any torch optimizer + a Slim-DP-compressed outer step.
+
+    See the module docstring for the algorithm. Not a ``torch.optim.Optimizer``
+    subclass: schedule the learning rate on ``inner`` (``opt.inner``), which
+    is also what a ``GradScaler`` steps.
+
+    Args:
+        model: the ``nn.Module`` trained (or a DDP wrapper, whose ``module``
+            is used; use DDP's ``no_sync()`` for the local steps then).
+            Every parameter with ``requires_grad`` is synchronised; position
+            ``i`` is the ``i``-th such parameter of ``named_parameters()``.
+            Parameters are broadcast from rank 0 at construction (like DDP),
+            so replicas start identical; buffers (e.g. BatchNorm statistics)
+            are broadcast once and not synchronised afterwards.
+        inner: the inner optimizer, built over exactly those parameters.
+        sync_every: ``H``, inner steps between synchronisations (>= 1).
+        compression: ``"shared"`` (Slim-DP, one all-reduce of the values at an
+            index set identical on every rank), ``"local"`` (per-rank top-k,
+            all-gathered index/value pairs: SparseLoCo's compressor) or
+            ``"dense"`` (every coordinate: DiLoCo).
+        core_ratio, explore_ratio: fractions of each parameter in the core
+            set (top-k by ``score``) and in the uniform explore set, as in
+            :class:`slimcomm.hooks.SlimDPState` (ignored for ``"dense"``).
+        core_refresh: synchronisations between core-set refreshes (>= 1).
+        warmup_syncs: the first synchronisations are dense (``G`` starts from
+            their average), >= 0.
+        score: ``"product"`` (``|outer| * |G|``), ``"grad"`` (``|G|``) or
+            ``"weight"``.
+        value_dtype: wire dtype of the values (default bf16).
+        outer_lr: outer learning rate (1.0 = apply the averaged update).
+        outer_momentum: outer SGD momentum in ``[0, 1)`` (DiLoCo: 0.9).
+        nesterov: Nesterov outer momentum (DiLoCo: True).
+        error_feedback: keep the unsent part of each update (recommended).
+        error_decay: ``beta`` in ``(0, 1]``; the residual is multiplied by it
+            before the next pseudo-gradient is added (SparseLoCo: 0.95).
+        seed: explore-set seed, equal on every rank.
+        process_group: group to synchronise over (default: the world).
+        bucket_cap_mb: parameters are synchronised in groups of about this
+            many MB of fp32 values (one collective per group).
+        check_agreement_every: every n-th compressed sync checks the index
+            sets across ranks (0 = never).
+
+    Raises:
+        ValueError: an argument out of range, ``inner`` not over the model's
+            trainable parameters (raised on the rank that sees it; the other
+            ranks raise a RuntimeError instead of waiting).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner: torch.optim.Optimizer,
+        *,
+        sync_every: int = 8,
+        compression: str = "shared",
+        core_ratio: float = 0.05,
+        explore_ratio: float = 0.05,
+        core_refresh: int = 1,
+        warmup_syncs: int = 1,
+        score: str = "product",
+        value_dtype: Optional[torch.dtype] = torch.bfloat16,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        error_feedback: bool = True,
+        error_decay: float = 1.0,
+        seed: int = 0,
+        process_group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: float = 25.0,
+        check_agreement_every: int = 0,
+    ):
+        self.process_group = process_group
+        error: Optional[BaseException] = None
+        fingerprint = 0
+        try:
+            self._validate(model, inner, sync_every, compression, outer_lr, outer_momentum,
+                           bucket_cap_mb)
+            module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
+                else model
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            self.compression = compression
+            dense = compression == "dense"
+            self.compressor = SlimDPCompressor(
+                process_group=process_group,
+                core_ratio=1.0 if dense else core_ratio,
+                explore_ratio=0.0 if dense else explore_ratio,
+                core_refresh=core_refresh, warmup_steps=warmup_syncs, score=score,
+                index_mode="local" if compression == "local" else "shared",
+                error_feedback=error_feedback and not dense, error_decay=error_decay,
+                value_dtype=value_dtype, seed=seed,
+                check_agreement_every=check_agreement_every)
+            self.inner = inner
+            self.sync_every = sync_every
+            self.outer_lr = float(outer_lr)
+            self.outer_momentum = float(outer_momentum)
+            self.nesterov = bool(nesterov)
+            self.local_step = 0
+            self.syncs = 0
+            self._synced_at = 0
+            self._module = module
+            self._groups = self._make_groups(named, bucket_cap_mb)
+            hp = (sync_every, compression, self.outer_lr, self.outer_momentum, self.nesterov,
+                  self.compressor._hyperparameters(),
+                  [(n, tuple(p.shape), str(p.dtype)) for n, p in named])
+            fingerprint = zlib.crc32(repr(hp).encode())
+        except ValueError as exc:
+            error = exc
+        device = self._groups[0].outer.device if error is None and self._groups else None
+        differ = agree_across_ranks(
+            {"hyperparameters and parameter shapes": fingerprint}, error, group=process_group,
+            device=device,
+            other_failed="SlimDPOptimizer: another rank could not be constructed (see its "
+                         "error); no rank can proceed")
+        if differ:
+            raise RuntimeError(
+                "SlimDPOptimizer: the ranks were constructed with different hyperparameters "
+                "or models; construct it with the same arguments on every rank")
+        views = [v for g in self._groups for v in g.outer_views]
+        self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
+        self._broadcast_initial_state()
+
+    # ---------------------------------------------------------------- setup
+    @staticmethod
+    def _validate(model, inner, sync_every, compression, outer_lr, outer_momentum,
+                  bucket_cap_mb):
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or \
+                not 0 < outer_lr < float("inf"):
+            raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr!r}")
+        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or \
+                not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or \
+                not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        mine = {id(p) for p in module.parameters() if p.requires_grad}
+        theirs = {id(p) for g in inner.param_groups for p in g["params"]}
+        if not mine:
+            raise ValueError("model has no parameters with requires_grad")
+        if mine != theirs:
+            raise ValueError(
+                f"inner must optimize exactly the model's trainable parameters: "
+                f"{len(theirs - mine)} of inner's parameters are not in the model and "
+                f"{len(mine - theirs)} of the model's are not in inner")
+
+    def _make_groups(self, named, bucket_cap_mb) -> List[_Group]:
+        cap = int(bucket_cap_mb * 2**20)
+        groups, cur, size = [], [], 0
+        for pos, (_, p) in enumerate(named):
+            if cur and (size + 4 * p.numel() > cap or p.device != named[cur[0]][1].device):
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(pos)
+            size += 4 * p.numel()
+        if cur:
+            groups.append(cur)
+        momentum = self.outer_momentum > 0
+        return [_Group(g, [named[i][1] for i in g], momentum) for g in groups]
+
+    def _broadcast_initial_state(self) -> None:
+        """Rank 0's parameters and buffers everywhere; outer copy := parameters."""
+        group = self.process_group
+        with torch.no_grad():
+            for g in self._groups:
+                torch._foreach_copy_(g.outer_views, g.params)
+                dist.broadcast(g.outer, src=dist.get_global_rank(group, 0) if group else 0,
+                               group=group)
+                torch._foreach_copy_(g.params, g.outer_views)
+            for b in self._module.buffers():
+                dist.broadcast(b, src=dist.get_global_rank(group, 0) if group else 0,
+                               group=group)
+
+    # ---------------------------------------------------------------- stepping
+    @property
+    def param_groups(self):
+        """The inner optimizer's ``param_groups`` (learning rates live there)."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``inner.zero_grad(set_to_none)``."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """One inner step, then :meth:`advance`. Returns the closure's loss, if any."""
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.advance()
+        return loss
+
+    def advance(self) -> bool:
+        """Count one local step; synchronise when ``sync_every`` steps are done.
+
+        Call on every rank after every inner step, also one a ``GradScaler``
+        skipped. Returns whether it synchronised.
+        """
+        self.local_step += 1
+        if self.local_step % self.sync_every == 0:
+            self.synchronize()
+            return True
+        return False
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Outer step now (collective): compress and average the pseudo-gradients,
+        step the outer parameters, set every rank's parameters to them.
+
+        Called by :meth:`advance` every ``sync_every`` steps; call it yourself
+        before evaluating or checkpointing at another step (every rank alike).
+        A no-op when no local step happened since the last synchronisation.
+        """
+        if self.local_step == self._synced_at:
+            return
+        comp = self.compressor
+        futs = []
+        for i, g in enumerate(self._groups):
+            layout = comp.layout_for(lambda g=g: g.key, lambda key, g=g: (g.outer.device,
+                                                                          torch.float32),
+                                     f"parameter group {i}", g.outer.device)
+            # pseudo-gradient = outer - local, into the scratch buffer
+            torch._foreach_copy_(g.scratch_views, g.params)
+            torch.sub(g.outer, g.scratch, out=g.scratch)
+            futs.append(comp.synchronize(layout, g.scratch, weight=g.outer,
+                                         warmup_dtype=comp.value_dtype or torch.float32))
+        comp.end_step()
+        for g, fut in zip(self._groups, futs):
+            avg = fut.wait()
+            # A parameter that was non-finite on some rank comes back NaN: skip its update.
+            avg = torch.where(torch.isfinite(avg), avg, torch.zeros((), device=avg.device))
+            if g.momentum is not None:
+                g.momentum.mul_(self.outer_momentum).add_(avg)
+                upd = avg.add(g.momentum, alpha=self.outer_momentum) if self.nesterov \
+                    else g.momentum
+            else:
+                upd = avg
+            g.outer.sub_(upd, alpha=self.outer_lr)
+            torch._foreach_copy_(g.params, g.outer_views)
+        self.syncs += 1
+        self._synced_at = self.local_step
+
+    # ---------------------------------------------------------------- stats
+    @property
+    def stats(self) -> Dict[str, Any]:
+        """The compressor's stats (``total``/``last``: ``bytes_sent`` per rank,
+        ``bytes_dense``, ``density``, ...; one "step" = one synchronisation)
+        plus ``local_steps`` and ``syncs``."""
+        st = self.compressor.stats
+        st["local_steps"] = self.local_step
+        st["syncs"] = self.syncs
+        return st
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's state: inner optimizer, outer parameters and momentum,
+        compressor (residuals: per rank), this rank's local parameters (they
+        differ from the outer ones between synchronisations, and the
+        constructor broadcasts rank 0's), counters. Every rank saves its own;
+        a resume is bit-exact."""
+        local = []
+        with torch.no_grad():
+            for g in self._groups:
+                flat = torch.empty_like(g.outer)
+                torch._foreach_copy_([flat[a:a + v.numel()].view(v.shape) for a, v in
+                                      zip(_offsets(g.outer_views), g.outer_views)], g.params)
+                local.append(flat)
+        return {
+            "version": _STATE_VERSION,
+            "local_step": self.local_step,
+            "syncs": self.syncs,
+            "synced_at": self._synced_at,
+            "inner": self.inner.state_dict(),
+            "outer": [g.outer.clone() for g in self._groups],
+            "local": local,
+            "momentum": [None if g.momentum is None else g.momentum.clone()
+                         for g in self._groups],
+            "compressor": self.compressor.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of this rank, saved with the same model
+        and arguments.
+
+        Raises:
+            ValueError: unknown version, or group sizes that do not match.
+        """
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(f"state_dict: unknown version {state_dict.get('version')!r} "
+                             f"(expected {_STATE_VERSION})")
+        outer, mom = state_dict["outer"], state_dict["momentum"]
+        if len(outer) != len(self._groups) or any(
+                o.numel() != g.outer.numel() for o, g in zip(outer, self._groups)):
+            raise ValueError("state_dict: outer parameters do not match this model's parameter "
+                             "groups (same model and bucket_cap_mb needed)")
+        self.compressor.load_state_dict(state_dict["compressor"])
+        self.inner.load_state_dict(state_dict["inner"])
+        with torch.no_grad():
+            for g, o, m, loc in zip(self._groups, outer, mom, state_dict["local"]):
+                g.outer.copy_(o)
+                torch._foreach_copy_(g.params, [loc[a:a + v.numel()].view(v.shape) for a, v in
+                                                zip(_offsets(g.outer_views), g.outer_views)])
+                if g.momentum is not None and m is not None:
+                    g.momentum.copy_(m)
+        self.local_step = int(state_dict["local_step"])
+        self.syncs = int(state_dict["syncs"])
+        self._synced_at = int(state_dict["synced_at"])
+
+
+def _offsets(views: List[torch.Tensor]) -> List[int]:
+    out, off = [], 0
+    for v in views:
+        out.append(off)
+        off += v.numel()
+    return out
