@@ -20,6 +20,7 @@ the ``ImportError`` of a missing or broken build at that point.
 
 import importlib as _importlib
 import importlib.util as _importlib_util
+import sys as _sys
 import typing as _typing
 
 from ._version import __version__
@@ -41,14 +42,28 @@ if _typing.TYPE_CHECKING:  # for type checkers and IDEs; never executed
 
 def _available(module: str) -> bool:
     """Whether ``module`` exists in this installation (a file lookup, no import)."""
+    if module in _sys.modules:
+        return True
     try:
         return _importlib_util.find_spec(module) is not None
-    except ImportError:
+    except (ImportError, ValueError):
         return False
 
 
 # Only the names whose module exists in this version, so `from slimcomm import *` never fails.
 __all__: _typing.List[str] = ["__version__"] + [n for n, (m, _) in _LAZY.items() if _available(m)]
+
+
+def _extension_hint(name: str, err: ImportError) -> ImportError:
+    """``err`` itself, or, when the compiled extension is what failed, an error that says how to build it."""
+    if "slimcomm._C" in _sys.modules or (err.name not in ("slimcomm", "slimcomm._C") and "_C" not in str(err)):
+        return err
+    return ImportError(
+        f"slimcomm.{name} needs the compiled extension slimcomm._C, which is not built or does not "
+        f"load ({err}); build it with `make setup` or `pip install --no-build-isolation -e .`, "
+        "then check it with `python -m slimcomm.info`",
+        name="slimcomm._C",
+    )
 
 
 def __getattr__(name: str) -> _typing.Any:
@@ -60,11 +75,13 @@ def __getattr__(name: str) -> _typing.Any:
         mod = _importlib.import_module(module)
     except ModuleNotFoundError as e:
         if e.name != module:
-            raise
+            raise _extension_hint(name, e) from e
         raise AttributeError(
             f"slimcomm.{name} lives in {module}, which this version of slimcomm "
             f"({__version__}) does not have yet"
         ) from None
+    except ImportError as e:
+        raise _extension_hint(name, e) from e
     value = mod if attr is None else getattr(mod, attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value
