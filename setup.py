@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def read_version():
-    with open(os.path.join(ROOT, "slimcomm", "__init__.py")) as f:
+    with open(os.path.join(ROOT, "slimcomm", "_version.py")) as f:
         return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 

@@ -20,11 +20,13 @@ A second table times every stage of the shared hook in isolation on one rank
 (same flat layout, same thread count), plus gloo all-reduce of the dense
 gradient and of the packed Slim-DP buffer, so a slow step can be attributed.
 
-Writes ``bench/results/hook_overhead-<YYYY-MM-DD>.md`` (``--out`` to change).
+Writes ``<results-dir>/hook_overhead-<YYYY-MM-DD>.md``: ``bench/out/`` (ignored
+by git) unless ``--results-dir bench/results`` (the committed results) or
+``--out FILE`` says otherwise.
 
-Example::
+Example (the committed table)::
 
-    .venv/bin/python bench/hook_overhead.py --steps 60 --warmup 6
+    .venv/bin/python bench/hook_overhead.py --steps 60 --warmup 6 --results-dir bench/results
 """
 
 import argparse
@@ -73,7 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
-    p.add_argument("--out", default=None, help="markdown output path")
+    p.add_argument("--results-dir", metavar="DIR", default=os.path.join(REPO, "bench", "out"),
+                   help="directory of hook_overhead-<date>.md (default bench/out/, ignored by git; "
+                        "bench/results for the committed results)")
+    p.add_argument("--out", default=None, help="markdown output path (overrides --results-dir)")
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",")]
     if len(args.sizes) < 2 or min(args.sizes) < 1:
@@ -343,8 +348,8 @@ Per-stage cost of the shared hook on the whole model as one flat buffer
 
 {bd_md}
 """
-    out = args.out or os.path.join(REPO, "bench", "results", f"hook_overhead-{today}.md")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = args.out or os.path.join(args.results_dir, f"hook_overhead-{today}.md")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         f.write(text)
     print(text)

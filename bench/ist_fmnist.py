@@ -19,13 +19,15 @@ IST round) and number of steps. It reports, per method,
 and checks the issue's targets: IST bytes per step at most 1/8 of DDP's (at
 ``local_steps = 10``) and IST's final test accuracy within 1.5 points of DDP's.
 
-Outputs ``<out-dir>/ist_fmnist.md`` (tables) and the raw result JSONs in
-``<out-dir>/ist_fmnist/``. ``--from-json DDP.json IST.json`` summarises
-existing results without training.
+Outputs ``<results-dir>/ist_fmnist.md`` (tables) and the raw result JSONs in
+``<results-dir>/ist_fmnist/``, where ``<results-dir>`` is ``bench/out/``
+(ignored by git) unless ``--results-dir bench/results`` (the committed
+results). ``--from-json DDP.json IST.json`` summarises existing results
+without training.
 
 Example (the numbers in bench/results/ist_fmnist.md)::
 
-    .venv/bin/python bench/ist_fmnist.py --epochs 5 --local-steps 10
+    .venv/bin/python bench/ist_fmnist.py --epochs 5 --local-steps 10 --results-dir bench/results
 """
 
 from __future__ import annotations
@@ -143,7 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-subset", type=int, default=None,
                    help="use only this many training samples (all ranks together)")
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--results-dir", "--out-dir", dest="out_dir", metavar="DIR",
+                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+                   help="output directory (bench/out/ is ignored by git; bench/results holds the "
+                        "committed results)")
     p.add_argument("--from-json", nargs=2, metavar=("DDP_JSON", "IST_JSON"), default=None,
                    help="summarise these slimcomm.train results instead of training")
     args = p.parse_args(argv)

@@ -336,8 +336,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=11, help="timed repeats per case (median reported)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results"),
-                   help="directory for the .md/.json results ('' to skip writing)")
+    p.add_argument("--results-dir", "--out", dest="out", metavar="DIR", default=os.path.join(REPO, "bench", "out"),
+                   help="directory for the .md/.json results (default bench/out/, ignored by git; "
+                        "--results-dir bench/results for the committed results; '' to skip writing)")
     p.add_argument("--tag", default="", help="suffix of the result file names (e.g. '1thread')")
     args = p.parse_args(argv)
 

@@ -10,7 +10,8 @@ between the test namespaces; nothing is routed to the host or outside.
 
 For every rate and every method the job is launched with one process per rank
 (``ip netns exec <ns> python -m slimcomm.train --rank r ...``), and the
-results JSONs are collected into
+results JSONs are collected under ``--results-dir`` (``bench/out/`` by default,
+ignored by git; ``--results-dir bench/results`` for the committed results):
 
 * ``<out-dir>/netbench_<W>ranks.md``: one markdown table per rate: time to the
   target test accuracy, speed-up over ddp, final accuracy after equal epochs,
@@ -26,7 +27,7 @@ SIGTERM and SIGHUP, and the script checks that they are gone. Needs root
 
 Example (the headline run, see bench/results/netbench_2ranks.md)::
 
-    sudo .venv/bin/python bench/netbench.py --rates 100mbit,1gbit \\
+    sudo .venv/bin/python bench/netbench.py --rates 100mbit,1gbit --results-dir bench/results \\
         --methods ddp,fp16,powersgd,topk,slimdp,ist -- --epochs 2 --batch-size 128 --eval-every 25
 
 Everything after ``--`` is passed to ``slimcomm.train`` unchanged.
@@ -374,7 +375,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "rerunning it (the link is still set up and measured)")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
-    p.add_argument("--out-dir", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--results-dir", "--out-dir", dest="out_dir", metavar="DIR", default=os.path.join(REPO, "bench", "out"),
+                   help="output directory (default bench/out/, ignored by git; --results-dir "
+                        "bench/results for the committed results)")
     p.add_argument("--name", default=None, help="output base name (default netbench_<W>ranks)")
     a = p.parse_args(argv)
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]

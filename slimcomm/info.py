@@ -5,15 +5,20 @@ against and the one running now, and which backends have compiled kernels
 (CPU always; CUDA with its target architectures when built with CUDA). Warns
 when the build and the running torch disagree, or when a GPU is visible but
 the build has no CUDA kernels.
+
+``python -m slimcomm.info --version`` prints only the slimcomm version (it
+imports neither torch nor the extension, so it works before a build).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import warnings
+from typing import Optional, Sequence
 
-import torch
+from ._version import __version__
 
 
 def build_info() -> dict:
@@ -28,6 +33,8 @@ def build_info() -> dict:
         ImportError: the compiled extension cannot be loaded (not built, or
             built against an incompatible torch).
     """
+    import torch
+
     from . import _C  # noqa: F401  (registers the ops)
 
     info = json.loads(torch.ops.slimcomm._build_info())
@@ -49,7 +56,10 @@ def problems(info: dict) -> list[str]:
     return out
 
 
-def main() -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m slimcomm.info", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"slimcomm {__version__}")
+    p.parse_args(argv)
     try:
         info = build_info()
     except ImportError as e:  # pragma: no cover - exercised only on broken installs
