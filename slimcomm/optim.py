@@ -113,6 +113,10 @@ class SlimDPOptimizer:
         score: ``"product"`` (``|outer| * |G|``), ``"grad"`` (``|G|``) or
             ``"weight"``.
         value_dtype: wire dtype of the values (default bf16).
+        value_bits: ``None`` (values in ``value_dtype``, all-reduced) or 1, 2,
+            4, 8: per-chunk scaled low-bit codes (:mod:`slimcomm.codec`),
+            all-gathered, with the rounding error kept by error feedback.
+        quant_chunk: values per quantisation chunk (one bf16 scale each).
         outer_lr: outer learning rate (1.0 = apply the averaged update).
         outer_momentum: outer SGD momentum in ``[0, 1)`` (DiLoCo: 0.9).
         nesterov: Nesterov outer momentum (DiLoCo: True).
@@ -142,9 +146,11 @@ class SlimDPOptimizer:
         core_ratio: float = 0.05,
         explore_ratio: float = 0.05,
         core_refresh: int = 1,
-        warmup_syncs: int = 1,
+        warmup_syncs: int = 0,
         score: str = "product",
         value_dtype: Optional[torch.dtype] = torch.bfloat16,
+        value_bits: Optional[int] = None,
+        quant_chunk: int = 4096,
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         nesterov: bool = False,
@@ -174,7 +180,8 @@ class SlimDPOptimizer:
                 index_mode="local" if compression == "local" else "shared",
                 error_feedback=error_feedback and not dense, error_decay=error_decay,
                 value_dtype=value_dtype, seed=seed,
-                check_agreement_every=check_agreement_every)
+                check_agreement_every=check_agreement_every, value_bits=value_bits,
+                quant_chunk=quant_chunk)
             self.inner = inner
             self.sync_every = sync_every
             self.outer_lr = float(outer_lr)
