@@ -88,7 +88,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import data as data_mod
+from .workloads import data as data_mod
 from .agreement import agree_across_ranks
 
 __all__ = ["METHODS", "build_parser", "build_model", "run", "compare_table", "plot_results", "main"]
