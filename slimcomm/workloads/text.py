@@ -267,11 +267,11 @@ class TrainWindows:
         self.generator = torch.Generator().manual_seed(_rank_seed(seed, rank))
 
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(x, y)``, both int64 ``[B, T]`` on the CPU, ``y`` = ``x`` shifted by one token."""
+        """``(x, y)``, both contiguous int64 ``[B, T]`` on the CPU, ``y`` = ``x`` shifted by one token."""
         starts = torch.randint(0, self.shard.numel() - self.block_size, (self.batch_size,),
                                generator=self.generator)
         w = self.shard[starts[:, None] + self._offsets].long()
-        return w[:, :-1], w[:, 1:]
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
 def validation_batches(val_tokens: torch.Tensor, block_size: int, batch_size: int,
@@ -283,7 +283,7 @@ def validation_batches(val_tokens: torch.Tensor, block_size: int, batch_size: in
     (they overlap only when the split is shorter than the windows together).
 
     Returns:
-        ``num_batches`` pairs ``(x, y)`` of int64 ``[batch_size, block_size]``.
+        ``num_batches`` pairs ``(x, y)`` of contiguous int64 ``[batch_size, block_size]``.
 
     Raises:
         ValueError: bad sizes, or a validation split shorter than
@@ -299,4 +299,5 @@ def validation_batches(val_tokens: torch.Tensor, block_size: int, batch_size: in
     count = num_batches * batch_size
     starts = torch.linspace(0, n - block_size - 1, count, dtype=torch.float64).round().long()
     w = val_tokens[starts[:, None] + torch.arange(block_size + 1)].long()
-    return [(w[i:i + batch_size, :-1], w[i:i + batch_size, 1:]) for i in range(0, count, batch_size)]
+    return [(w[i:i + batch_size, :-1].contiguous(), w[i:i + batch_size, 1:].contiguous())
+            for i in range(0, count, batch_size)]
