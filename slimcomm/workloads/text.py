@@ -148,6 +148,8 @@ def read_fortunes(directory: str = FORTUNES_DIR) -> str:
 
 def _char_tokens(text: str) -> Tuple[np.ndarray, str]:
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    if codes.size == 0:
+        return np.zeros(0, dtype=np.int32), ""
     present = np.zeros(int(codes.max()) + 1, dtype=bool)  # code points < 0x110000: a small table
     present[codes] = True
     uniq = np.flatnonzero(present)
