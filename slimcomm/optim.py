@@ -44,6 +44,7 @@ With a ``GradScaler``: ``scaler.step(opt.inner); scaler.update(); opt.advance()`
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Any, Dict, List, Optional
 
@@ -336,6 +337,23 @@ class SlimDPOptimizer:
             torch._foreach_copy_(g.params, g.outer_views)
         self.syncs += 1
         self._synced_at = self.local_step
+
+    @contextlib.contextmanager
+    def outer_weights(self):
+        """Context manager: the model holds the outer (global) parameters inside it,
+        identical on every rank, and its local parameters again afterwards. For
+        evaluating the global model between synchronisations (DiLoCo's
+        evaluation); no communication."""
+        with torch.no_grad():
+            for g in self._groups:
+                torch._foreach_copy_(g.scratch_views, g.params)
+                torch._foreach_copy_(g.params, g.outer_views)
+        try:
+            yield self._module
+        finally:
+            with torch.no_grad():
+                for g in self._groups:
+                    torch._foreach_copy_(g.params, g.scratch_views)
 
     # ---------------------------------------------------------------- stats
     @property
