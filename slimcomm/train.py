@@ -391,9 +391,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="results JSON path (single method; default OUT_DIR/METHOD.json)")
-    g.add_argument("--out-dir", default="runs", help="directory for results JSONs")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    g.add_argument("--out-dir", default=None,
+                   help="directory for results JSONs (default: a new runs/YYYYmmdd-HHMMSS-PID/ per "
+                        "invocation, so no earlier result is replaced)")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no tqdm progress bars (they are shown only when stderr is a terminal anyway)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars and no dataset/corpus messages")
+    g.add_argument("--version", action="version", version=f"slimcomm {_slimcomm_version()}")
     return p
+
+
+def _slimcomm_version() -> str:
+    from ._version import __version__
+
+    return __version__
 
 
 def _resolve_launch(args: argparse.Namespace) -> None:
@@ -942,7 +953,7 @@ class _ImageTask:
 
     def __init__(self, args, rank: int, world_size: int, device):
         self.args, self.rank = args, rank
-        ds = data_mod.load_dataset(args.dataset, args.data_dir, log=print if rank == 0 else None)
+        ds = data_mod.load_dataset(args.dataset, args.data_dir, log=print if rank == 0 and not args.quiet else None)
         shard = data_mod.shard_indices(ds.x_train.shape[0], rank, world_size, seed=args.seed,
                                        subset=args.train_subset)
         if args.batch_size > shard.numel():
@@ -1109,7 +1120,7 @@ def _train(rank, world_size, args, device, backend):
     time_to_target = None
     stop = False
     bar = None
-    use_bar = rank == 0 and not args.no_progress
+    use_bar = rank == 0 and not args.no_progress and not args.quiet and sys.stderr.isatty()
     if use_bar:
         from tqdm import tqdm
     since = [0.0, 0]  # training loss sum and count since the last evaluation
@@ -1405,6 +1416,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {plot_results(results, args.plot)}")
         return 0
     _resolve_launch(args)
+    if args.out_dir is None:
+        args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
     if args.compare:
         if args.external:
             parser.error("--compare runs methods one after another and launches its own ranks; "

@@ -515,3 +515,12 @@ def test_sync_optimizer_place(tmp_path, monkeypatch):
         assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-3)  # warm-up 2, then constant
     finally:
         dist.destroy_process_group()
+
+
+def test_version_flag(capsys):
+    from slimcomm import __version__
+
+    with pytest.raises(SystemExit) as e:
+        T.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"slimcomm {__version__}"
