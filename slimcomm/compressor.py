@@ -836,8 +836,8 @@ class SlimDPCompressor:
         ``checks`` / ``check_bytes`` (cross-rank agreement all-reduces and
         their bytes, part of ``bytes_sent``: one of 8 int64 (64 bytes) per
         group at each core refresh of the shared mode with ``score`` other
-        than ``"grad"``, and one per group every ``check_agreement_every``
-        compressed steps),
+        than ``"grad"``, and one of 12 int64 (96 bytes) per group every
+        ``check_agreement_every`` compressed steps),
         ``bytes_dense`` (what DDP's default all-reduce would have put in),
         ``elements`` / ``elements_sent`` (gradient coordinates, all / sent),
         ``density`` = ``elements_sent / elements``, ``core`` and ``explore``
@@ -1174,17 +1174,20 @@ def _fp16_limit(world_size: int) -> float:
     return 2.0 ** math.floor(math.log2(_FP16_MAX / world_size))
 
 
-def _payload(acc, idx, flags, world_size, dtype):
+def _payload(acc, idx, flags, world_size, dtype, scale=None):
     """``([pack(acc, idx) / world_size, flags]`` in the wire dtype, kept``)``.
 
-    On an fp16 wire the values are saturated at :func:`_fp16_limit` so the sum cannot
-    overflow (a residual piled up over many steps, or a loss-scaled gradient, would
-    otherwise turn into inf on every send); ``kept`` (fp32 ``[k]``, ``world_size`` times
-    what was clipped off) is what stays in the residual at the sent coordinates, else None.
+    On an fp16 wire without a loss scale (``scale`` None) the values are saturated at
+    :func:`_fp16_limit` so the sum cannot overflow (a residual piled up over many steps
+    would otherwise turn into inf on every send, and never drain); ``kept`` (fp32
+    ``[k]``, ``world_size`` times what was clipped off) is what stays in the residual at
+    the sent coordinates, else None. With a GradScaler attached an overflow is left to
+    become inf: the scaler skips the step (undone for every parameter) and lowers the
+    scale, and the residual, kept unscaled, then fits.
     """
     vals = ops.pack(acc, idx).div_(world_size)
     kept = None
-    if dtype == torch.float16:
+    if dtype == torch.float16 and scale is None:
         lim = _fp16_limit(world_size)
         sent = vals.clamp(-lim, lim)
         kept = vals.sub(sent).mul_(world_size)
@@ -1270,7 +1273,7 @@ def _shared(state, layout, buf, world_size, step, weight):
     scale = state._loss_scale(layout)
     acc = _accumulate(state, layout, buf, scale)
     flags = _segment_flags(layout, buf)
-    wire, kept = _payload(acc, idx, flags, world_size, state.value_dtype or buf.dtype)
+    wire, kept = _payload(acc, idx, flags, world_size, state.value_dtype or buf.dtype, scale)
     k = idx.numel()
     state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size(),
                  layout.numel, k, k - n_explore, n_explore)
@@ -1299,7 +1302,7 @@ def _local(state, layout, buf, world_size, step, weight):
     idx, n_explore = _select_explore(state, layout, core, step)
     flags = _segment_flags(layout, buf)
     wire_dtype = state.value_dtype or buf.dtype
-    wire, kept = _payload(acc, idx, flags, world_size, wire_dtype)
+    wire, kept = _payload(acc, idx, flags, world_size, wire_dtype, scale)
     k = idx.numel()
     S = flags.numel()
     state._count(layout.numel * buf.element_size(),
@@ -1329,24 +1332,28 @@ def _local(state, layout, buf, world_size, step, weight):
     return torch.futures.collect_all([f1, f2]).then(done)
 
 
-def _index_checksums(state, layout, idx):
-    """``(max, min)`` over the ranks of int64 checksums of ``idx`` (one tiny all-reduce,
-    counted in the stats as a check)."""
+def _index_checksums(state, layout, idx, extra=()):
+    """``(max, min)`` over the ranks of int64 checksums of ``idx`` (plus the int64 0-d
+    tensors ``extra``); one tiny all-reduce, counted in the stats as a check."""
     k = idx.numel()
     w = torch.arange(1, k + 1, dtype=torch.int64, device=idx.device)
     sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(),
-                        torch.tensor(k, dtype=torch.int64, device=idx.device)])
+                        torch.tensor(k, dtype=torch.int64, device=idx.device), *extra])
     hi, lo = max_min_across_ranks(sums, state.group)
     state._count_check(2 * sums.numel() * sums.element_size())
     return hi, lo
 
 
 def _check_agreement(state, layout, idx) -> None:
-    """Checksum all-reduce (MAX of [x, -x]) of the index set; raise on every rank if it differs."""
-    hi, lo = _index_checksums(state, layout, idx)
+    """Checksum all-reduce (MAX of [x, -x]) of the index set and of ``G``'s bits (identical
+    on every rank by construction; the weights are not compared, they may legitimately
+    differ while a rank is joined); raise on every rank if they differ."""
+    g_bits = layout.G.view(torch.int32)
+    hi, lo = _index_checksums(state, layout, idx, [g_bits.sum(dtype=torch.int64),
+                                                   g_bits[1::2].sum(dtype=torch.int64)])
     if not torch.equal(hi, lo):
         raise RuntimeError(
-            f"Slim-DP index sets differ across ranks in {layout.label} (parameters "
+            f"Slim-DP index sets or G differ across ranks in {layout.label} (parameters "
             f"{layout.names}) at step {state.step}: the global gradient estimate G or the "
             f"core sets diverged between ranks (e.g. states constructed with different "
             f"arguments, or edited by hand). Restart from a checkpoint in which every rank "

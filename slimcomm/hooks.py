@@ -118,9 +118,9 @@ class SlimDPState(SlimDPCompressor):
       (``[-2**63, 2**64)``); must be equal on all ranks. The sampler never touches torch's global RNG, so ranks that
       consumed it differently (dropout) still agree.
     * ``check_agreement_every`` (default 100; 0 = never): every n-th
-      compressed step each bucket's index set is checked across ranks with
-      one small checksum all-reduce (MAX/MIN of 4 int64 sums: 64 bytes per
-      bucket, plus a host sync, counted in ``stats["last"/"total"]
+      compressed step each bucket's index set and ``G`` are checked across
+      ranks with one small checksum all-reduce (MAX/MIN of 6 int64 sums: 96
+      bytes per bucket, plus a host sync, counted in ``stats["last"/"total"]
       ["checks", "check_bytes"]``); a mismatch raises ``RuntimeError``
       naming the bucket's parameters on every rank. At each core refresh
       (``score`` other than ``"grad"``) the same 64-byte all-reduce, without

@@ -380,12 +380,18 @@ def _three_rank_cases(rank, world_size):
 
 
 def _diverged_case(rank, world_size):
-    def perturb(model, t):
-        if t == BASE["warmup_steps"] and rank == 1:
-            with torch.no_grad():
-                model.fc1.weight.mul_(torch.linspace(0.5, 2.0, model.fc1.weight.numel())
-                                      .view_as(model.fc1.weight))
-    train_ddp(rank, 5, dict(check_agreement_every=1), grad_hook=perturb, record=False)
+    """Rank 1's Slim-DP state is edited by hand (its G of fc1.weight permuted) between
+    a save and a load: a divergence slimcomm cannot prevent, which must become an error.
+    (Ranks whose *weights* differ, as while a rank is joined, keep agreeing index sets.)"""
+    first = train_ddp(rank, 4, record=False)
+    sd = first["hstate"].state_dict()
+    if rank == 1:
+        g = sd["params"][FC1W]["G"]
+        sd["params"][FC1W]["G"] = g.flip(0)
+    state = SlimDPState(**{**BASE, "check_agreement_every": 1})
+    state.load_state_dict(sd)
+    train_ddp(rank, 3, record=False, model=first["model"], opt=first["opt"], state=state,
+              start=4)
 
 
 def _convergence_case(rank, world_size):
@@ -729,7 +735,7 @@ def test_stats_bytes_and_density(two):
 
 
 def test_diverged_ranks_raise_naming_the_bucket():
-    with pytest.raises(WorkerError, match=r"index sets differ across ranks in bucket \d+"):
+    with pytest.raises(WorkerError, match=r"index sets or G differ across ranks in bucket \d+"):
         run_workers(_diverged_case, 2, timeout=90)
 
 
