@@ -73,7 +73,43 @@ __all__ = ["SlimDPCompressor", "selection_sizes", "explore_rng_offset"]
 logger = logging.getLogger(__name__)
 
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: adds "owner" (rank, world size, kind), refused when it does not match
+_FP16_MAX = 65504.0
+
+
+class _Frozen:
+    """A hyperparameter: readable, and fixed once the object is constructed.
+
+    The ratios are baked into each group's cached layout (sizes on the wire),
+    the seed and the refresh period into the index sets every rank derives,
+    so a change on a live state could only be applied inconsistently;
+    assigning raises ``AttributeError`` that says to build a new object.
+    """
+
+    __slots__ = ("name", "slot")
+
+    def __set_name__(self, owner, name):
+        self.name = name
+        self.slot = "_hp_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return getattr(obj, self.slot)
+
+    def __set__(self, obj, value):
+        raise AttributeError(
+            f"{type(obj).__name__}.{self.name} cannot be changed after construction (the "
+            f"index sets of every rank depend on it); construct a new "
+            f"{type(obj).__name__} with {self.name}={value!r} instead")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 # torch >= 2.12 renamed all_gather_into_tensor to all_gather_single.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -194,8 +230,22 @@ class SlimDPCompressor:
     multiplied by it before the next values are added (1 = classic error
     feedback; SparseLoCo uses it as outer momentum), ``value_dtype`` (wire
     dtype: ``None`` = the buffer's, or fp32/fp16/bf16), ``seed`` (64-bit int,
-    equal on all ranks), ``check_agreement_every`` (int >= 0, every n-th
-    compressed step checks the index sets across ranks).
+    equal on all ranks), ``check_agreement_every`` (int >= 0, default 100:
+    every n-th compressed step checks the index sets across ranks with one
+    all-reduce of 8 int64 per group; 0 = never).
+
+    Hyperparameters are fixed at construction: assigning one raises
+    ``AttributeError`` (the cached layouts and every rank's index sets depend
+    on them); build a new object instead. Bools are not accepted as numbers,
+    ``error_feedback`` must be a bool, ``process_group`` a ``ProcessGroup``
+    or ``None``.
+
+    The core set is refreshed from the weights, which can differ across
+    ranks (a rank joined under DDP's ``join()`` with uneven inputs no longer
+    steps its optimizer): at each refresh one tiny all-reduce of checksums
+    (no host sync) makes every rank keep its previous core set where the new
+    ones differ (``stats["core_fallbacks"]``), so ``G`` and the index sets
+    stay identical on every rank.
 
     State per position: fp32 ``residual``, fp32 ``G``, the core set (int64
     position-local indices), and the step counter ``step`` (also the explore
@@ -214,21 +264,21 @@ class SlimDPCompressor:
                         "check_agreement_every", "value_bits", "quant_chunk")
 
     __slots__ = [
-        "process_group",
-        # hyperparameters
-        "core_ratio",
-        "explore_ratio",
-        "core_refresh",
-        "warmup_steps",
-        "score",
-        "index_mode",
-        "error_feedback",
-        "error_decay",
-        "value_bits",
-        "quant_chunk",
-        "value_dtype",
-        "seed",
-        "check_agreement_every",
+        # hyperparameters (read through the _Frozen descriptors below)
+        "_hp_process_group",
+        "_hp_core_ratio",
+        "_hp_explore_ratio",
+        "_hp_core_refresh",
+        "_hp_warmup_steps",
+        "_hp_score",
+        "_hp_index_mode",
+        "_hp_error_feedback",
+        "_hp_error_decay",
+        "_hp_value_bits",
+        "_hp_quant_chunk",
+        "_hp_value_dtype",
+        "_hp_seed",
+        "_hp_check_agreement_every",
         # internal state
         "step",
         "_positions",   # id(param) -> position in model.parameters()
@@ -241,7 +291,34 @@ class SlimDPCompressor:
         "_stats",
         "_step_acc",
         "_lock",
+        "_owner_pending",  # "owner" of a loaded state_dict, checked at the next new layout
+        "_scaler",         # GradScaler whose scale the residual and G are divided by
+        "_undo",           # [(layout, step, idx, old G values)] of steps not yet settled
+        "_void_steps",     # steps in which some parameter was non-finite
+        "_fallbacks",      # device -> int64 count of refreshes whose new core set differed
     ]
+
+    process_group = _Frozen()
+    core_ratio = _Frozen()
+    explore_ratio = _Frozen()
+    core_refresh = _Frozen()
+    warmup_steps = _Frozen()
+    score = _Frozen()
+    index_mode = _Frozen()
+    error_feedback = _Frozen()
+    error_decay = _Frozen()
+    value_dtype = _Frozen()
+    value_bits = _Frozen()
+    quant_chunk = _Frozen()
+    seed = _Frozen()
+    check_agreement_every = _Frozen()
+
+    # Adapter policies (see SlimDPState): a parameter whose values are exactly zero on
+    # every rank keeps its residual and G (DDP discards the result of a parameter no rank
+    # used); a step in which any parameter was non-finite is undone for every parameter
+    # (a GradScaler skips the whole step).
+    _KEEP_ALL_ZERO = False
+    _VOID_NONFINITE_STEP = False
 
     def __init__(
         self,
@@ -256,58 +333,65 @@ class SlimDPCompressor:
         error_decay: float = 1.0,
         value_dtype: Optional[torch.dtype] = None,
         seed: int = 0,
-        check_agreement_every: int = 0,
+        check_agreement_every: int = 100,
         value_bits: Optional[int] = None,
         quant_chunk: int = 4096,
     ):
-        if not isinstance(core_ratio, (int, float)) or not 0 < core_ratio <= 1:
-            raise ValueError(f"core_ratio must be in (0, 1], got {core_ratio!r}")
-        if not isinstance(explore_ratio, (int, float)) or not 0 <= explore_ratio <= 1:
-            raise ValueError(f"explore_ratio must be in [0, 1], got {explore_ratio!r}")
-        if not isinstance(core_refresh, int) or core_refresh < 1:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, "
+                             f"got {type(process_group).__name__} {process_group!r}")
+        if not _is_real(core_ratio) or not 0 < core_ratio <= 1:
+            raise ValueError(f"core_ratio must be a number in (0, 1], got {core_ratio!r}")
+        if not _is_real(explore_ratio) or not 0 <= explore_ratio <= 1:
+            raise ValueError(f"explore_ratio must be a number in [0, 1], got {explore_ratio!r}")
+        if not _is_int(core_refresh) or core_refresh < 1:
             raise ValueError(f"core_refresh must be an int >= 1, got {core_refresh!r}")
-        if not isinstance(warmup_steps, int) or warmup_steps < self._MIN_WARMUP:
+        if not _is_int(warmup_steps) or warmup_steps < self._MIN_WARMUP:
             raise ValueError(
                 f"warmup_steps must be an int >= {self._MIN_WARMUP}{self._WARMUP_WHY}, "
                 f"got {warmup_steps!r}"
             )
-        if not isinstance(error_decay, (int, float)) or not 0 < error_decay <= 1:
-            raise ValueError(f"error_decay must be in (0, 1], got {error_decay!r}")
-        if value_bits is not None and (isinstance(value_bits, bool) or value_bits not in BITS):
+        if not _is_real(error_decay) or not 0 < error_decay <= 1:
+            raise ValueError(f"error_decay must be a number in (0, 1], got {error_decay!r}")
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be a bool (True or False), got "
+                             f"{error_feedback!r}")
+        if value_bits is not None and (not _is_int(value_bits) or value_bits not in BITS):
             raise ValueError(f"value_bits must be None or one of {BITS}, got {value_bits!r}")
         if value_bits is not None and index_mode != "shared":
             raise ValueError("value_bits needs index_mode='shared' (codes are all-gathered "
                              "at the shared index set)")
-        if isinstance(quant_chunk, bool) or not isinstance(quant_chunk, int) or quant_chunk < 1:
+        if not _is_int(quant_chunk) or quant_chunk < 1:
             raise ValueError(f"quant_chunk must be an int >= 1, got {quant_chunk!r}")
-        if score not in ops.SCORES:
+        if not isinstance(score, str) or score not in ops.SCORES:
             raise ValueError(f"score must be one of {ops.SCORES}, got {score!r}")
-        if index_mode not in ("shared", "local"):
+        if not isinstance(index_mode, str) or index_mode not in ("shared", "local"):
             raise ValueError(f"index_mode must be 'shared' or 'local', got {index_mode!r}")
-        if value_dtype is not None and value_dtype not in _VALUE_DTYPES:
+        if value_dtype is not None and (not isinstance(value_dtype, torch.dtype)
+                                        or value_dtype not in _VALUE_DTYPES):
             raise ValueError(
                 f"value_dtype must be None or one of {_VALUE_DTYPES}, got {value_dtype!r}"
             )
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+        if not _is_int(seed) or not -2**63 <= seed < 2**64:
             raise ValueError(f"seed must be an int in [-2**63, 2**64) (64 bits), got {seed!r}")
-        if not isinstance(check_agreement_every, int) or check_agreement_every < 0:
+        if not _is_int(check_agreement_every) or check_agreement_every < 0:
             raise ValueError(
                 f"check_agreement_every must be an int >= 0, got {check_agreement_every!r}"
             )
-        self.process_group = process_group
-        self.core_ratio = float(core_ratio)
-        self.explore_ratio = float(explore_ratio)
-        self.core_refresh = core_refresh
-        self.warmup_steps = warmup_steps
-        self.score = score
-        self.index_mode = index_mode
-        self.error_feedback = bool(error_feedback)
-        self.error_decay = float(error_decay)
-        self.value_bits = value_bits
-        self.quant_chunk = quant_chunk
-        self.value_dtype = value_dtype
-        self.seed = seed
-        self.check_agreement_every = check_agreement_every
+        self._hp_process_group = process_group
+        self._hp_core_ratio = float(core_ratio)
+        self._hp_explore_ratio = float(explore_ratio)
+        self._hp_core_refresh = core_refresh
+        self._hp_warmup_steps = warmup_steps
+        self._hp_score = score
+        self._hp_index_mode = index_mode
+        self._hp_error_feedback = error_feedback
+        self._hp_error_decay = float(error_decay)
+        self._hp_value_dtype = value_dtype
+        self._hp_value_bits = value_bits
+        self._hp_quant_chunk = quant_chunk
+        self._hp_seed = seed
+        self._hp_check_agreement_every = check_agreement_every
         self.step = 0
         self._positions: Dict[int, int] = {}
         self._names: List[str] = []
@@ -319,6 +403,11 @@ class SlimDPCompressor:
         self._stats = _new_stats()
         self._step_acc = _new_counts()
         self._lock = threading.Lock()
+        self._owner_pending: Optional[Dict[str, Any]] = None
+        self._scaler = None
+        self._undo: List[Tuple[_Layout, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        self._void_steps: set = set()
+        self._fallbacks: Dict[torch.device, torch.Tensor] = {}
 
     # ------------------------------------------------------------ parameters
     def attach_parameters(self, named: Sequence[Tuple[str, torch.Tensor]]) -> "SlimDPCompressor":
@@ -380,6 +469,7 @@ class SlimDPCompressor:
         layout, so the other ranks raise too instead of blocking in a
         collective.
         """
+        self._settle()
         layout: Optional[_Layout] = None
         error: Optional[RuntimeError] = None
         try:
@@ -393,6 +483,7 @@ class SlimDPCompressor:
             if layout is not None:
                 return layout
             dev, dtype = check_fn(key)
+            self._check_owner()
             layout = _Layout(
                 list(key), [self._numels[i] for i in key], [self._names[i] for i in key],
                 (self.core_ratio, self.explore_ratio), dev, dtype, self.error_feedback,
@@ -408,6 +499,53 @@ class SlimDPCompressor:
             del self._layouts[old_key]
         self._layouts[key] = layout
         return layout
+
+    def _owner(self) -> Dict[str, Any]:
+        """Whose state this is: ``{"rank", "world_size", "kind"}`` (rank and world size
+        in the process group; ``None`` when no process group is initialised)."""
+        if dist.is_available() and dist.is_initialized():
+            rank, ws = dist.get_rank(self.group), dist.get_world_size(self.group)
+        else:
+            rank = ws = None
+        return {"rank": rank, "world_size": ws, "kind": type(self).__name__}
+
+    def _owner_error(self, owner: Optional[Dict[str, Any]]) -> Optional[RuntimeError]:
+        """The error for a loaded state that is not this rank's own, else None."""
+        if owner is None:
+            return None
+        mine = self._owner()
+        name = type(self).__name__
+        if owner.get("kind") != mine["kind"]:
+            return RuntimeError(
+                f"{name}.load_state_dict: the state_dict belongs to a {owner.get('kind')}, "
+                f"not a {name} (e.g. SlimDPOptimizer's compressor state given to the DDP "
+                f"hook); load the state_dict saved by this same kind of object")
+        if owner.get("rank") is None or mine["rank"] is None:
+            return None  # saved or loaded outside a process group: nothing to compare
+        if owner.get("world_size") != mine["world_size"]:
+            return RuntimeError(
+                f"{name}.load_state_dict: the state_dict was saved with world size "
+                f"{owner.get('world_size')} but is loaded with world size "
+                f"{mine['world_size']}; the residuals are per rank, so it cannot be resumed "
+                f"on another world size: start from a fresh {name} (residuals restart at "
+                f"zero) and load only the model and optimizer")
+        if owner.get("rank") != mine["rank"]:
+            return RuntimeError(
+                f"{name}.load_state_dict: this rank ({mine['rank']} of {mine['world_size']}) "
+                f"loaded the state_dict saved by rank {owner.get('rank')}. The residuals "
+                f"(error feedback) are per rank, so every rank must save its own "
+                f"(e.g. torch.save(state.state_dict(), f'slimdp-rank{{rank}}.pt')) and load "
+                f"that same file -- not rank 0's on every rank as in PowerSGD's example. If "
+                f"only one rank's file exists, start from a fresh {name} instead")
+        return None
+
+    def _check_owner(self) -> None:
+        """Raise (through the cross-rank layout check, so every rank raises) if the loaded
+        state_dict is not this rank's."""
+        err = self._owner_error(self._owner_pending)
+        if err is not None:
+            raise err
+        self._owner_pending = None
 
     def _hyperparameters(self) -> Tuple:
         return (self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
@@ -438,7 +576,8 @@ class SlimDPCompressor:
             other_failed=(
                 f"{name}: another rank could not map {label} to its "
                 f"Slim-DP state (see the error raised on that rank, e.g. a state that is not "
-                f"attached or attached to another model); no rank can proceed"))
+                f"attached, attached to another model, or loaded from a state_dict another "
+                f"rank saved); no rank can proceed"))
         if differ:
             raise RuntimeError(
                 f"{name} differs across ranks for {label} (parameters "
@@ -538,9 +677,37 @@ class SlimDPCompressor:
         elif weight is None:
             weight = self._flat_weight(layout)
         idx, _ = ops.significance_topk_segmented(weight, layout.G, layout.offsets, ks, self.score)
+        core = self._assemble_core(layout, idx, pending, ks)
+        if self.score != "grad" and dist.get_world_size(self.group) > 1:
+            # The score reads the weights, which are NOT identical on every rank while a
+            # rank is joined (DDP join with uneven inputs: the joined rank no longer steps
+            # its optimizer) or after a non-deterministic update. G is identical by
+            # construction, so a core set that differs across ranks would make G (and the
+            # replicas) diverge for good. One tiny all-reduce of checksums decides, without
+            # a host sync: where any rank's new core differs, every rank keeps its previous
+            # core set (or, for a layout that has none yet, the top-k of |G| alone).
+            if layout.core is not None:
+                fallback = layout.core
+            else:
+                fb, _ = ops.significance_topk_segmented(layout.G, layout.G, layout.offsets, ks,
+                                                        "grad")
+                fallback = self._assemble_core(layout, fb, pending, ks)
+            hi, lo = _index_checksums(self, layout, core)
+            agree = torch.eq(hi, lo).all()
+            core = torch.where(agree, core, fallback)
+            dev = core.device
+            with self._lock:
+                cnt = self._fallbacks.get(dev)
+                if cnt is None:
+                    cnt = self._fallbacks[dev] = torch.zeros((), dtype=torch.int64, device=dev)
+                cnt.add_(agree.logical_not())
+        layout.core = core
+
+    def _assemble_core(self, layout: _Layout, idx: torch.Tensor, pending, ks) -> torch.Tensor:
+        """Bucket-flat core of every segment: top-k ``idx`` (``ks`` per segment), dense
+        segments whole, segments known from ``pending`` as they are."""
         if pending is None and not layout.has_dense:
-            layout.core = idx
-            return
+            return idx
         parts, at = [], 0
         for s in range(len(layout.positions)):
             lo, hi = layout.seg(s)
@@ -551,14 +718,88 @@ class SlimDPCompressor:
             else:
                 parts.append(idx[at:at + ks[s]])
                 at += ks[s]
-        layout.core = torch.cat(parts)
+        return torch.cat(parts)
 
     def _flat_weight(self, layout: _Layout) -> torch.Tensor:
+        """The attached tensors flattened like their values in the group buffer: in memory
+        order (DDP lays a dense, non-overlapping gradient out like its parameter, e.g.
+        channels_last), else in logical order."""
         w = torch.empty(layout.numel, dtype=torch.float32, device=layout.device)
         for s, pos in enumerate(layout.positions):
             lo, hi = layout.seg(s)
-            w[lo:hi].copy_(self._params[pos].detach().reshape(-1))
+            w[lo:hi].copy_(_memory_order_flat(self._params[pos].detach()))
         return w
+
+    # ------------------------------------------------------------ loss scale, void steps
+    def attach_grad_scaler(self, scaler) -> "SlimDPCompressor":
+        """Keep error feedback in *unscaled* units under a dynamic loss scale.
+
+        With a ``torch.amp.GradScaler`` the values reaching the compressor are the
+        gradients times the current scale ``S``, which halves on overflow and grows
+        every ``growth_interval`` steps. Without this call the residual and ``G`` hold
+        values of whatever scale they were made at, so after a scale change the residual
+        is applied ``S_old / S_new`` times too strongly or weakly. After it, each step
+        uses ``acc = grad + S * residual`` and stores ``residual = unsent / S`` and
+        ``G = averaged / S`` (a few elementwise ops with the scale tensor, no host sync).
+
+        Args:
+            scaler: the ``torch.amp.GradScaler`` (or ``torch.cuda.amp.GradScaler``) whose
+                ``scale(loss)`` produced the gradients; ``None`` detaches it.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: ``scaler`` is not a GradScaler.
+        """
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got "
+                             f"{type(scaler).__name__}")
+        self._scaler = scaler
+        return self
+
+    def _loss_scale(self, layout: _Layout) -> Optional[torch.Tensor]:
+        sc = self._scaler
+        if sc is None or not sc.is_enabled() or getattr(sc, "_scale", None) is None:
+            return None
+        scale = sc._scale
+        if scale.device != layout.device or scale.dtype != torch.float32:
+            scale = scale.to(device=layout.device, dtype=torch.float32)
+        return scale
+
+    def _record_commit(self, layout: _Layout, step: int, idx: torch.Tensor,
+                       undo_g: Optional[torch.Tensor], void: bool) -> None:
+        if not self._VOID_NONFINITE_STEP:
+            return
+        with self._lock:
+            self._undo.append((layout, step, idx, undo_g))
+            if void:
+                self._void_steps.add(step)
+
+    def _settle(self) -> None:
+        """Undo, for every parameter, the commits of a finished step in which any parameter
+        was non-finite (policy ``_VOID_NONFINITE_STEP``: a GradScaler skips the whole
+        step, so values sent then were never applied and must stay in the residual).
+        Runs at the start of the next step and before :meth:`state_dict`."""
+        if not self._undo:
+            return
+        with self._lock:
+            done = [u for u in self._undo if u[1] < self.step]
+            if not done:
+                return
+            self._undo = [u for u in self._undo if u[1] >= self.step]
+            void = self._void_steps
+            self._void_steps = {t for t in void if t >= self.step}
+        for layout, step, idx, undo_g in done:
+            if step not in void or self._layouts.get(tuple(layout.positions)) is not layout:
+                continue
+            if layout.residual is not None:
+                layout.residual, layout.spare = layout.spare, layout.residual
+            if undo_g is not None:
+                ops.unpack(layout.G, idx, undo_g)
+        if any(u[1] in void for u in done):
+            with self._lock:
+                self._stats["voided_steps"] += len({u[1] for u in done if u[1] in void})
 
     # ------------------------------------------------------------ stats
     def _count(self, dense_bytes: int, sent_bytes: int, numel: int, sent: int,
@@ -578,13 +819,20 @@ class SlimDPCompressor:
             last = self._step_acc
             last["density"] = last["elements_sent"] / last["elements"] if last["elements"] else 0.0
             tot = self._stats["total"]
-            for key in ("bytes_dense", "bytes_sent", "elements", "elements_sent", "core", "explore"):
+            for key in _COUNT_KEYS:
                 tot[key] += last[key]
             tot["density"] = tot["elements_sent"] / tot["elements"] if tot["elements"] else 0.0
             self._stats["last"] = last
             self._stats["steps"] += 1
             self._step_acc = _new_counts()
             self.step += 1
+
+    def _count_check(self, nbytes: int) -> None:
+        """One cross-rank agreement all-reduce of ``nbytes`` (also in ``bytes_sent``)."""
+        with self._lock:
+            self._step_acc["checks"] += 1
+            self._step_acc["check_bytes"] += nbytes
+            self._step_acc["bytes_sent"] += nbytes
 
     def _note_nonfinite(self, n: int) -> None:
         with self._lock:
@@ -596,9 +844,20 @@ class SlimDPCompressor:
 
         Returns a dict with ``steps`` (synchronised steps seen),
         ``nonfinite_fallbacks`` (parameter-steps whose averaged gradient
-        held NaN/inf, so residual and ``G`` were not updated), and ``last`` / ``total`` (the last step, cumulative), each a
+        held NaN/inf, so residual and ``G`` were not updated),
+        ``voided_steps`` (DDP hook: steps undone for every parameter because
+        some parameter was non-finite), ``core_fallbacks`` (core-set refreshes
+        at which the ranks' new core sets differed, e.g. while a rank was
+        joined, so every rank kept its previous core set; reading it
+        synchronises with the device), and ``last`` / ``total`` (the last
+        step, cumulative), each a
         dict of: ``bytes_sent`` (bytes this rank put into collectives,
         including the flag element and any agreement checksums),
+        ``checks`` / ``check_bytes`` (cross-rank agreement all-reduces and
+        their bytes, part of ``bytes_sent``: one of 8 int64 (64 bytes) per
+        group at each core refresh of the shared mode with ``score`` other
+        than ``"grad"``, and one of 12 int64 (96 bytes) per group every
+        ``check_agreement_every`` compressed steps),
         ``bytes_dense`` (what DDP's default all-reduce would have put in),
         ``elements`` / ``elements_sent`` (gradient coordinates, all / sent),
         ``density`` = ``elements_sent / elements``, ``core`` and ``explore``
@@ -608,12 +867,16 @@ class SlimDPCompressor:
         mode) receives ``W`` times every rank's contribution.
         """
         with self._lock:
-            return {
+            fallbacks = list(self._fallbacks.values())
+            out = {
                 "steps": self._stats["steps"],
                 "nonfinite_fallbacks": self._stats["nonfinite_fallbacks"],
+                "voided_steps": self._stats["voided_steps"],
                 "last": dict(self._stats["last"]),
                 "total": dict(self._stats["total"]),
             }
+        out["core_fallbacks"] = int(sum(int(c) for c in fallbacks))
+        return out
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> Dict[str, Any]:
@@ -624,11 +887,16 @@ class SlimDPCompressor:
             explore RNG position), the hyperparameters that determine the
             index sets (``seed``, ``core_ratio``, ``explore_ratio``,
             ``core_refresh``, ``warmup_steps``, ``score``, ``index_mode``),
-            ``stats``, and ``params``: ``{position: {"name", "numel",
+            ``stats``, ``owner`` (whose state this is: ``rank`` and
+            ``world_size`` in the process group, ``None`` when no process
+            group was initialised, and ``kind``, the class name; a load on
+            another rank, world size or kind is refused), and ``params``:
+            ``{position: {"name", "numel",
             "residual" (fp32 [numel] or None), "G" (fp32 [numel]), "core"
             (int64 parameter-local indices, or None)}}``. Tensors are clones
             on the state's device. No process group, no model.
         """
+        self._settle()
         params: Dict[int, Dict[str, Any]] = {}
         for pos, (layout, s) in self._slots.items():
             lo, hi = layout.seg(s)
@@ -648,6 +916,7 @@ class SlimDPCompressor:
             params[pos] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d.items()}
         return {
             "version": _STATE_VERSION,
+            "owner": self._owner(),
             "step": self.step,
             "seed": self.seed,
             "core_ratio": self.core_ratio,
@@ -669,17 +938,44 @@ class SlimDPCompressor:
         buckets the new DDP instance forms. If attached, names and sizes are
         checked now, otherwise at :meth:`attach`.
 
+        The state must be this rank's own: ``state_dict["owner"]`` (rank,
+        world size, kind) is compared with this rank's when the next new
+        group is set up (at the first synchronised step after the load, a
+        collective), and a mismatch raises on **every** rank. Unlike the
+        PowerSGD example that loads rank 0's state everywhere, residuals are
+        per rank: save one file per rank (``f"slimdp-rank{rank}.pt"``) and
+        load each rank's own. To resume from one rank's file only, start a
+        fresh state instead (residuals restart at zero).
+
         Raises:
             ValueError: unknown ``version``; ``seed``, ratios, ``core_refresh``,
                 ``warmup_steps``, ``score`` or ``index_mode`` differ from this
-                state's (they determine the index sets); a parameter entry
-                whose name or size does not match the attached model.
+                state's (they determine the index sets); a malformed entry
+                (``step`` not an int >= 0, a core index outside its parameter,
+                tensors of the wrong size or dtype); a parameter entry whose
+                name or size does not match the attached model.
+            RuntimeError: (at the next synchronised step, on every rank) the
+                state was saved by another rank, world size or kind of state.
         """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if state_dict.get("version") != _STATE_VERSION:
             raise ValueError(
                 f"state_dict: unknown version {state_dict.get('version')!r} "
-                f"(expected {_STATE_VERSION})"
+                f"(expected {_STATE_VERSION}; version 1 states record no owner rank and "
+                f"cannot be checked: start from a fresh {type(self).__name__})"
             )
+        for key in ("owner", "step", "params", "seed", "core_ratio", "explore_ratio",
+                    "core_refresh", "warmup_steps", "score", "index_mode"):
+            if key not in state_dict:
+                raise ValueError(f"state_dict lacks {key!r}")
+        owner = state_dict["owner"]
+        if not isinstance(owner, dict) or not {"rank", "world_size", "kind"} <= set(owner):
+            raise ValueError(f"state_dict: 'owner' must be a dict with rank, world_size and "
+                             f"kind, got {owner!r}")
+        step = state_dict["step"]
+        if not _is_int(step) or step < 0:
+            raise ValueError(f"state_dict: step must be an int >= 0, got {step!r}")
         for key in ("seed", "core_ratio", "explore_ratio", "core_refresh", "warmup_steps",
                     "score", "index_mode", "error_decay"):
             saved = state_dict.get(key, 1.0) if key == "error_decay" else state_dict[key]
@@ -689,19 +985,21 @@ class SlimDPCompressor:
                     f"has {getattr(self, key)!r}; construct {type(self).__name__} with the "
                     f"same value"
                 )
+        if not isinstance(state_dict["params"], dict):
+            raise ValueError("state_dict: 'params' must be a dict {position: entry}")
         loaded = {}
         for pos, d in state_dict["params"].items():
+            if not _is_int(pos) and not (isinstance(pos, str) and pos.isdigit()):
+                raise ValueError(f"state_dict: parameter position {pos!r} is not an int")
             pos = int(pos)
             if pos < 0:
                 raise ValueError(f"state_dict: negative parameter position {pos}")
+            if not isinstance(d, dict):
+                raise ValueError(f"state_dict: parameter {pos} entry is not a dict")
             for field in ("name", "numel", "G"):
                 if field not in d:
                     raise ValueError(f"state_dict: parameter {pos} lacks {field!r}")
-            if d["G"].numel() != d["numel"] or (
-                d.get("residual") is not None and d["residual"].numel() != d["numel"]
-            ):
-                raise ValueError(f"state_dict: parameter {pos} ({d['name']}) has tensors "
-                                 f"whose size differs from numel={d['numel']}")
+            _check_entry(pos, d)
             loaded[pos] = dict(d)
         if self._names:
             for pos, d in loaded.items():
@@ -715,16 +1013,20 @@ class SlimDPCompressor:
                     )
         self._layouts.clear()
         self._slots.clear()
+        self._undo = []
+        self._void_steps = set()
         self._loaded = loaded
-        self.step = int(state_dict["step"])
+        self._owner_pending = dict(owner)
+        self.step = step
         st = state_dict.get("stats")
         with self._lock:
             self._stats = _new_stats()
             if st:
                 self._stats["steps"] = st["steps"]
                 self._stats["nonfinite_fallbacks"] = st["nonfinite_fallbacks"]
-                self._stats["last"] = dict(st["last"])
-                self._stats["total"] = dict(st["total"])
+                self._stats["voided_steps"] = st.get("voided_steps", 0)
+                self._stats["last"] = {**_new_counts(), **st["last"]}
+                self._stats["total"] = {**_new_counts(), **st["total"]}
             self._step_acc = _new_counts()
 
     # ------------------------------------------------------------ pickling
@@ -742,13 +1044,56 @@ class SlimDPCompressor:
 
 
 
+_COUNT_KEYS = ("bytes_dense", "bytes_sent", "elements", "elements_sent", "core", "explore",
+               "checks", "check_bytes")
+
+
 def _new_counts() -> Dict[str, Any]:
-    return {"bytes_dense": 0, "bytes_sent": 0, "elements": 0, "elements_sent": 0,
-            "core": 0, "explore": 0, "density": 0.0}
+    c: Dict[str, Any] = {k: 0 for k in _COUNT_KEYS}
+    c["density"] = 0.0
+    return c
+
+
+def _check_entry(pos: int, d: Dict[str, Any]) -> None:
+    """Validate one parameter entry of a loaded state_dict (ValueError naming it)."""
+    name, numel = d["name"], d["numel"]
+    what = f"state_dict: parameter {pos} ({name!r})"
+    if not isinstance(name, str):
+        raise ValueError(f"state_dict: parameter {pos} name must be a str, got {name!r}")
+    if not _is_int(numel) or numel < 0:
+        raise ValueError(f"{what}: numel must be an int >= 0, got {numel!r}")
+    for field in ("G", "residual"):
+        t = d.get(field)
+        if t is None and field == "residual":
+            continue
+        if not torch.is_tensor(t) or not t.is_floating_point() or t.numel() != numel:
+            raise ValueError(f"{what}: {field} must be a floating-point tensor of numel={numel} "
+                             f"elements, got {t if not torch.is_tensor(t) else t.shape}")
+    core = d.get("core")
+    if core is not None:
+        if not torch.is_tensor(core) or core.dtype not in (torch.int64, torch.int32) or \
+                core.dim() != 1:
+            raise ValueError(f"{what}: core must be a 1-d int64 tensor of indices or None")
+        if core.numel() and (int(core.min()) < 0 or int(core.max()) >= numel):
+            raise ValueError(f"{what}: core holds indices outside [0, {numel})")
+        if core.numel() > 1 and not bool((core[1:] > core[:-1]).all()):
+            raise ValueError(f"{what}: core indices must be distinct and ascending")
 
 
 def _new_stats() -> Dict[str, Any]:
-    return {"steps": 0, "nonfinite_fallbacks": 0, "last": _new_counts(), "total": _new_counts()}
+    return {"steps": 0, "nonfinite_fallbacks": 0, "voided_steps": 0, "last": _new_counts(),
+            "total": _new_counts()}
+
+
+def _memory_order_flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as ``[numel]`` in memory order when ``t`` is dense and
+    non-overlapping (a view when possible), else in logical order -- the order of its
+    gradient in a DDP bucket."""
+    if t.dim() < 2 or t.is_contiguous():
+        return t.reshape(-1)
+    perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    v = t.permute(perm)
+    return v.reshape(-1) if v.is_contiguous() else t.reshape(-1)
 
 
 
@@ -779,6 +1124,8 @@ def _dense(state, layout, buf, world_size, wire_dtype):
     state._count(n * buf.element_size(), n * wire.element_size(), n, n, n, 0)
     fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
 
+    scale = state._loss_scale(layout)
+
     def done(f):
         out = f.value()[0]
         if out is not buf:
@@ -794,28 +1141,39 @@ def _dense(state, layout, buf, world_size, wire_dtype):
                 else:
                     bad += 1
             state._note_nonfinite(bad)
+        if scale is not None:
+            layout.G.div_(scale)
         return buf
 
     return fut.then(done)
 
 
-def _accumulate(state, layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
-    """``acc = buf + error_decay * residual`` in fp32, into the spare buffer (the residual is kept)."""
+def _accumulate(state, layout: _Layout, buf: torch.Tensor, scale) -> torch.Tensor:
+    """``acc = buf + error_decay * scale * residual`` in fp32, into the spare buffer (the
+    residual is kept). ``scale``: the loss scale of ``buf`` (0-d tensor) or None."""
     if layout.residual is None:
         return buf if buf.dtype == torch.float32 else buf.float()
+    if scale is not None:
+        return torch.addcmul(buf, layout.residual, scale, value=state.error_decay,
+                             out=layout.spare)
     if state.error_decay != 1.0:
         return torch.add(buf, layout.residual, alpha=state.error_decay, out=layout.spare)
     return torch.add(layout.residual, buf, out=layout.spare)
 
 
-def _segment_flags(layout: _Layout, acc: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[S]``: 0 where the parameter's ``acc`` is finite, NaN otherwise (exact)."""
-    flags = torch.empty(len(layout.positions), dtype=torch.float32, device=acc.device)
+def _segment_flags(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[S]`` per parameter of this rank's new values ``buf``: NaN if they hold
+    NaN/inf, else 1 if any is nonzero, else 0 (exact). Summed over the ranks: NaN if
+    non-finite on some rank, 0 if exactly zero on every rank (e.g. a parameter no rank
+    used, whose result DDP discards), else the number of ranks with nonzero values.
+    (The residual is always finite, so ``buf`` decides whether ``acc`` is.)"""
+    flags = torch.empty(len(layout.positions), dtype=torch.float32, device=buf.device)
     for s in range(len(layout.positions)):
         lo, hi = layout.seg(s)
         if hi > lo:
-            mn, mx = torch.aminmax(acc[lo:hi])
-            flags[s] = mn * 0.0 + mx * 0.0  # min/max propagate NaN; inf * 0 = NaN
+            mn, mx = torch.aminmax(buf[lo:hi])
+            # min/max propagate NaN; inf * 0 = NaN
+            flags[s] = mn * 0.0 + mx * 0.0 + ((mn != 0) | (mx != 0))
         else:
             flags[s] = 0.0
     return flags
@@ -830,46 +1188,91 @@ def _select_explore(state, layout, core, step):
     return torch.cat([core, explore]), explore.numel()
 
 
-def _payload(acc, idx, flags, world_size, dtype):
-    """``[pack(acc, idx) / world_size, flags]`` in the wire dtype, one buffer."""
+def _fp16_limit(world_size: int) -> float:
+    """Largest power of two ``L`` with ``world_size * L <= 65504``: every partial sum of
+    ``world_size`` fp16 values in ``[-L, L]`` is finite, whatever the summation order."""
+    return 2.0 ** math.floor(math.log2(_FP16_MAX / world_size))
+
+
+def _payload(acc, idx, flags, world_size, dtype, scale=None):
+    """``([pack(acc, idx) / world_size, flags]`` in the wire dtype, kept``)``.
+
+    On an fp16 wire without a loss scale (``scale`` None) the values are saturated at
+    :func:`_fp16_limit` so the sum cannot overflow (a residual piled up over many steps
+    would otherwise turn into inf on every send, and never drain); ``kept`` (fp32
+    ``[k]``, ``world_size`` times what was clipped off) is what stays in the residual at
+    the sent coordinates, else None. With a GradScaler attached an overflow is left to
+    become inf: the scaler skips the step (undone for every parameter) and lowers the
+    scale, and the residual, kept unscaled, then fits.
+    """
     vals = ops.pack(acc, idx).div_(world_size)
-    return torch.cat([vals, flags]).to(dtype)
+    kept = None
+    if dtype == torch.float16 and scale is None:
+        lim = _fp16_limit(world_size)
+        sent = vals.clamp(-lim, lim)
+        kept = vals.sub(sent).mul_(world_size)
+        vals = sent
+    return torch.cat([vals, flags]).to(dtype), kept
 
 
-def _zero_sent(layout, acc, idx):
-    """``acc`` with the sent coordinates zeroed: the next residual (if the step is finite)."""
+def _zero_sent(layout, acc, idx, kept=None, scale=None):
+    """``acc`` with the sent coordinates zeroed (or set to ``kept``), divided by the loss
+    ``scale``: the next residual (if the step is finite)."""
     if layout.residual is None:
         return
     k = idx.numel()
-    if layout.zeros is None or layout.zeros.numel() != k:
-        layout.zeros = torch.zeros(k, dtype=torch.float32, device=acc.device)
-    ops.unpack(acc, idx, layout.zeros)
+    if kept is None:
+        if layout.zeros is None or layout.zeros.numel() != k:
+            layout.zeros = torch.zeros(k, dtype=torch.float32, device=acc.device)
+        kept = layout.zeros
+    ops.unpack(acc, idx, kept)
+    if scale is not None:
+        acc.div_(scale)
 
 
-def _commit(state, layout, buf, acc, idx, vals, flags):
-    """After the collective: update ``G`` and the residual, fill NaN where flagged."""
+def _commit(state, layout, buf, acc, idx, vals, flags, step, scale):
+    """After the collective: update ``G`` and the residual, fill NaN where flagged.
+
+    ``flags``: the summed per-parameter flags of :func:`_segment_flags`. With the
+    ``_KEEP_ALL_ZERO`` policy a parameter whose values were zero on every rank keeps its
+    residual and ``G`` and comes back zero. With ``_VOID_NONFINITE_STEP`` the old ``G``
+    values at ``idx`` are kept (the old residual stays in ``layout.spare``) so that
+    :meth:`SlimDPCompressor._settle` can undo the whole step if any parameter of it was
+    non-finite.
+    """
+    shared = state.index_mode == "shared"
     g_vals = vals if vals.dtype == torch.float32 else vals.float()
+    if scale is not None and shared:
+        g_vals = g_vals / scale
+    fl = flags if flags.dtype == torch.float32 else flags.float()
+    undo_g = ops.pack(layout.G, idx) if state._VOID_NONFINITE_STEP and shared else None
     # One host sync per bucket: a non-finite flag or value makes the sum non-finite
     # (a finite overflow only sends us down the exact per-parameter path below).
-    finite = bool(torch.isfinite(flags.sum(dtype=torch.float32) + g_vals.sum()))
-    if finite:
-        if state.index_mode == "shared":
+    total = torch.isfinite(fl.sum() + g_vals.sum())
+    if state._KEEP_ALL_ZERO:
+        total = total & (fl.amin() > 0) if fl.numel() else total
+    if bool(total):
+        if shared:
             ops.unpack(layout.G, idx, g_vals)
         if layout.residual is not None:
             layout.residual, layout.spare = acc, layout.residual
+        state._record_commit(layout, step, idx, undo_g, False)
         return
     # Rare path: per parameter, exact.
-    old_g = layout.G.clone() if state.index_mode == "shared" else None
+    old_g = layout.G.clone() if shared else None
     if old_g is not None:
         ops.unpack(layout.G, idx, g_vals)
     bad = 0
     for s in range(len(layout.positions)):
         lo, hi = layout.seg(s)
-        flagged = not bool(torch.isfinite(flags[s]))
+        flagged = not bool(torch.isfinite(fl[s]))
+        zero = state._KEEP_ALL_ZERO and not flagged and bool(fl[s] == 0)
         if flagged:
             buf[lo:hi].fill_(float("nan"))
-        if flagged or not bool(torch.isfinite(buf[lo:hi]).all()):
-            bad += 1
+        elif zero:
+            buf[lo:hi].zero_()  # nothing applied: the residual is kept for a later step
+        if zero or flagged or not bool(torch.isfinite(buf[lo:hi]).all()):
+            bad += not zero
             if old_g is not None:
                 layout.G[lo:hi].copy_(old_g[lo:hi])
             if layout.residual is not None:
@@ -877,6 +1280,7 @@ def _commit(state, layout, buf, acc, idx, vals, flags):
     if layout.residual is not None:
         layout.residual, layout.spare = acc, layout.residual
     state._note_nonfinite(bad)
+    state._record_commit(layout, step, idx, undo_g, bad > 0)
 
 
 def _shared(state, layout, buf, world_size, step, weight):
@@ -884,16 +1288,16 @@ def _shared(state, layout, buf, world_size, step, weight):
     if since % state.core_refresh == 0 or layout.core is None:
         state._refresh_core(layout, since % state.core_refresh == 0, weight)
     idx, n_explore = _select_explore(state, layout, layout.core, step)
-    extra = 0
     if state.check_agreement_every and since % state.check_agreement_every == 0:
-        extra = _check_agreement(state, layout, idx)
-    acc = _accumulate(state, layout, buf)
-    flags = _segment_flags(layout, acc)
-    wire = _payload(acc, idx, flags, world_size, state.value_dtype or buf.dtype)
+        _check_agreement(state, layout, idx)
+    scale = state._loss_scale(layout)
+    acc = _accumulate(state, layout, buf, scale)
+    flags = _segment_flags(layout, buf)
+    wire, kept = _payload(acc, idx, flags, world_size, state.value_dtype or buf.dtype, scale)
     k = idx.numel()
-    state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size() + extra,
+    state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size(),
                  layout.numel, k, k - n_explore, n_explore)
-    _zero_sent(layout, acc, idx)
+    _zero_sent(layout, acc, idx, kept, scale)
     fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
 
     def done(f):
@@ -901,29 +1305,30 @@ def _shared(state, layout, buf, world_size, step, weight):
         vals = avg[:k]
         buf.zero_()
         ops.unpack(buf, idx, vals if vals.dtype == buf.dtype else vals.to(buf.dtype))
-        _commit(state, layout, buf, acc, idx, vals, avg[k:])
+        _commit(state, layout, buf, acc, idx, vals, avg[k:], step, scale)
         return buf
 
     return fut.then(done)
 
 
 def _local(state, layout, buf, world_size, step, weight):
-    acc = _accumulate(state, layout, buf)
+    scale = state._loss_scale(layout)
+    acc = _accumulate(state, layout, buf, scale)
     if state.score == "grad":
         weight = acc
     elif weight is None:
         weight = state._flat_weight(layout)
     core, _ = ops.significance_topk_segmented(weight, acc, layout.offsets, layout.ks, state.score)
     idx, n_explore = _select_explore(state, layout, core, step)
-    flags = _segment_flags(layout, acc)
+    flags = _segment_flags(layout, buf)
     wire_dtype = state.value_dtype or buf.dtype
-    wire = _payload(acc, idx, flags, world_size, wire_dtype)
+    wire, kept = _payload(acc, idx, flags, world_size, wire_dtype, scale)
     k = idx.numel()
     S = flags.numel()
     state._count(layout.numel * buf.element_size(),
                  wire.numel() * wire.element_size() + k * 8,
                  layout.numel, k, k - n_explore, n_explore)
-    _zero_sent(layout, acc, idx)
+    _zero_sent(layout, acc, idx, kept, scale)
     all_idx = torch.empty(world_size * k, dtype=torch.int64, device=idx.device)
     all_val = torch.empty(world_size * (k + S), dtype=wire_dtype, device=idx.device)
     f1 = _ALL_GATHER(all_idx, idx, group=state.group, async_op=True).get_future()
@@ -941,27 +1346,39 @@ def _local(state, layout, buf, world_size, step, weight):
         if out is not buf:
             buf.copy_(out)
         flags_all = vals[:, k:].float().sum(0)
-        _commit(state, layout, buf, acc, idx, out[:0], flags_all)
+        _commit(state, layout, buf, acc, idx, out[:0], flags_all, step, scale)
         return buf
 
     return torch.futures.collect_all([f1, f2]).then(done)
 
 
-def _check_agreement(state, layout, idx) -> int:
-    """Checksum all-reduce (MAX of [x, -x]) of the index set; raise on every rank if it differs."""
+def _index_checksums(state, layout, idx, extra=()):
+    """``(max, min)`` over the ranks of int64 checksums of ``idx`` (plus the int64 0-d
+    tensors ``extra``); one tiny all-reduce, counted in the stats as a check."""
     k = idx.numel()
     w = torch.arange(1, k + 1, dtype=torch.int64, device=idx.device)
     sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(),
-                        torch.tensor(k, dtype=torch.int64, device=idx.device)])
+                        torch.tensor(k, dtype=torch.int64, device=idx.device), *extra])
     hi, lo = max_min_across_ranks(sums, state.group)
+    state._count_check(2 * sums.numel() * sums.element_size())
+    return hi, lo
+
+
+def _check_agreement(state, layout, idx) -> None:
+    """Checksum all-reduce (MAX of [x, -x]) of the index set and of ``G``'s bits (identical
+    on every rank by construction; the weights are not compared, they may legitimately
+    differ while a rank is joined); raise on every rank if they differ."""
+    g_bits = layout.G.view(torch.int32)
+    hi, lo = _index_checksums(state, layout, idx, [g_bits.sum(dtype=torch.int64),
+                                                   g_bits[1::2].sum(dtype=torch.int64)])
     if not torch.equal(hi, lo):
         raise RuntimeError(
-            f"Slim-DP index sets differ across ranks in {layout.label} (parameters "
-            f"{layout.names}) at step {state.step}: the weights or the global gradient "
-            f"estimate G diverged between ranks (different initial weights, a "
-            f"non-deterministic optimizer, or state loaded from another rank's checkpoint)"
+            f"Slim-DP index sets or G differ across ranks in {layout.label} (parameters "
+            f"{layout.names}) at step {state.step}: the global gradient estimate G or the "
+            f"core sets diverged between ranks (e.g. states constructed with different "
+            f"arguments, or edited by hand). Restart from a checkpoint in which every rank "
+            f"saved its own state."
         )
-    return 2 * sums.numel() * sums.element_size()
 
 
 def _quantised(state, layout, buf, world_size, step, weight):
@@ -985,12 +1402,15 @@ def _quantised(state, layout, buf, world_size, step, weight):
             state._refresh_core(layout, since % state.core_refresh == 0, weight)
         idx, n_explore = _select_explore(state, layout, layout.core, step)
         idx = torch.sort(idx).values  # segment-contiguous, so the chunk plan is fixed
+        if state.check_agreement_every and since % state.check_agreement_every == 0:
+            _check_agreement(state, layout, idx)
     if layout.plan is None:
         layout.plan = ChunkPlan([k + m for k, m in zip(layout.ks, layout.ms)],
                                 state.quant_chunk, layout.device)
     bits, plan = state.value_bits, layout.plan
-    acc = _accumulate(state, layout, buf)
-    flags = _segment_flags(layout, acc)
+    scale = state._loss_scale(layout)
+    acc = _accumulate(state, layout, buf, scale)
+    flags = _segment_flags(layout, buf)
     vals = ops.pack(acc, idx)
     codes, scales = quantize(vals, plan, bits)
     own = dequantize(codes, scales, plan, bits)
@@ -1006,6 +1426,8 @@ def _quantised(state, layout, buf, world_size, step, weight):
     state._count(layout.numel * buf.element_size(), P, layout.numel, k, k - n_explore, n_explore)
     if layout.residual is not None:
         ops.unpack(acc, idx, vals.sub_(own))  # what was not delivered stays in the residual
+        if scale is not None:
+            acc.div_(scale)
     gathered = torch.empty(world_size * P, dtype=torch.uint8, device=acc.device)
     fut = _ALL_GATHER(gathered, wire, group=state.group, async_op=True).get_future()
 
@@ -1017,7 +1439,7 @@ def _quantised(state, layout, buf, world_size, step, weight):
         avg = dequantize(all_codes, all_scales, plan, bits).sum(0).div_(world_size)
         buf.zero_()
         ops.unpack(buf, idx, avg if buf.dtype == torch.float32 else avg.to(buf.dtype))
-        _commit(state, layout, buf, acc, idx, avg, all_flags)
+        _commit(state, layout, buf, acc, idx, avg, all_flags, step, scale)
         return buf
 
     return fut.then(done)

@@ -117,10 +117,16 @@ class SlimDPState(SlimDPCompressor):
     * ``seed`` (default 0): seed of the explore sampler, any 64-bit int
       (``[-2**63, 2**64)``); must be equal on all ranks. The sampler never touches torch's global RNG, so ranks that
       consumed it differently (dropout) still agree.
-    * ``check_agreement_every`` (default 0 = never): every n-th compressed
-      step each bucket's index set is checked across ranks with one small
-      checksum all-reduce (MAX/MIN of int64 sums); a mismatch raises
-      ``RuntimeError`` naming the bucket's parameters on every rank.
+    * ``check_agreement_every`` (default 100; 0 = never): every n-th
+      compressed step each bucket's index set and ``G`` are checked across
+      ranks with one small checksum all-reduce (MAX/MIN of 6 int64 sums: 96
+      bytes per bucket, plus a host sync, counted in ``stats["last"/"total"]
+      ["checks", "check_bytes"]``); a mismatch raises ``RuntimeError``
+      naming the bucket's parameters on every rank. At each core refresh
+      (``score`` other than ``"grad"``) the same 64-byte all-reduce, without
+      a host sync, keeps the new core set identical on every rank: where the
+      ranks' weights differ (DDP ``join()`` with uneven inputs: a joined rank
+      stops stepping its optimizer), every rank keeps its previous core set.
     * ``model`` (default ``None``): shortcut for :meth:`attach`.
 
     State (per parameter, keyed by its position in ``model.parameters()``):
@@ -130,15 +136,34 @@ class SlimDPState(SlimDPCompressor):
     function of ``(seed, step, position)``, so ``step`` is the RNG position.
 
     Non-finite gradients: one flag element per parameter travels with the
-    values (0, or NaN when that parameter's ``acc`` holds NaN/inf on this
-    rank; computed exactly with min/max). If any rank flags a parameter, every
-    rank's averaged gradient for that whole parameter is NaN (so a
-    ``GradScaler`` sees the overflow and skips the step), and its residual
-    and ``G`` are left as they were. No second collective is needed, and the
-    decision is the same on every rank because it is read from reduced data.
+    values (NaN when that parameter's gradient holds NaN/inf on this rank,
+    else 1 if it has a nonzero element, else 0; computed exactly with
+    min/max). If any rank flags a parameter, every rank's averaged gradient
+    for that whole parameter is NaN (so a ``GradScaler`` sees the overflow and
+    skips the step), and the whole step is undone for **every** parameter at
+    the start of the next step (the skipped step applied nothing, so what was
+    sent goes back into the residuals and ``G``; ``stats["voided_steps"]``).
+    No second collective is needed, and the decision is the same on every
+    rank because it is read from reduced data.
+
+    A parameter whose gradient is exactly zero on every rank (with
+    ``find_unused_parameters=True``: a parameter no rank used, whose bucket
+    result DDP discards) sends nothing that step: it comes back zero and
+    keeps its residual and ``G``.
+
+    Loss scaling and fp16 wires: with a ``GradScaler``, call
+    ``state.attach_grad_scaler(scaler)`` so residuals and ``G`` are kept in
+    unscaled units (otherwise a scale change mis-weights the residual by the
+    ratio of the scales). On an fp16 wire (``value_dtype=torch.float16``, or
+    fp16 gradients) each rank's values are saturated at the largest power of
+    two ``L`` with ``world_size * L <= 65504`` so the sum never overflows;
+    what is clipped off stays in the residual and is sent on later steps.
 
     ``state_dict()`` / ``load_state_dict()`` hold this rank's residuals, so
-    **every rank saves and loads its own**. The process group and the model
+    **every rank saves and loads its own**; the state records its rank and
+    world size, and a state saved by another rank (for instance rank 0's file
+    loaded everywhere, as in PowerSGD's example) is refused on every rank at
+    the first synchronised step after the load. The process group and the model
     are not part of the state (nor of a pickle); re-:meth:`attach` after
     unpickling.
 
@@ -147,6 +172,8 @@ class SlimDPState(SlimDPCompressor):
     """
 
     __slots__ = ()
+    _KEEP_ALL_ZERO = True          # DDP discards the result of a parameter no rank used
+    _VOID_NONFINITE_STEP = True    # a GradScaler skips the whole step
     _MIN_WARMUP = 2
     _WARMUP_WHY = " (DDP rebuilds buckets after the first iteration)"
 
@@ -162,7 +189,7 @@ class SlimDPState(SlimDPCompressor):
         error_feedback: bool = True,
         value_dtype: Optional[torch.dtype] = None,
         seed: int = 0,
-        check_agreement_every: int = 0,
+        check_agreement_every: int = 100,
         model: Optional[nn.Module] = None,
         error_decay: float = 1.0,
     ):

@@ -973,12 +973,15 @@ class ISTTrainer:
 
         Right after :meth:`synchronize` the state is the same on every rank
         (one checkpoint serves all); mid-round it also holds this rank's
-        subnet and optimizer state, so each rank must save and load its own.
+        subnet and optimizer state, so each rank must save and load its own:
+        ``rank`` records whose it is, and :meth:`load_state_dict` refuses a
+        mid-round state of another rank on every rank.
         Tensors are references, as in ``nn.Module.state_dict``.
         """
         mid = self._local_step > 0
         return {
             "version": 1,
+            "rank": self._rank,
             "world_size": self._world_size,
             "seed": self.seed,
             "local_steps": self.local_steps,
@@ -1011,7 +1014,8 @@ class ISTTrainer:
         Raises:
             KeyError: a missing key.
             ValueError: ``seed`` differs, or a mid-round state with a
-                different ``world_size``/``local_steps``.
+                different ``world_size``/``local_steps`` or saved by another
+                rank (raised there; the other ranks raise RuntimeError).
             RuntimeError: from ``model.load_state_dict``; another rank failed
                 to load; the ranks loaded different rounds or models.
         """
@@ -1059,6 +1063,13 @@ class ISTTrainer:
                 f"{self.seed}"
             )
         mid = state["local_step"] > 0
+        if mid and state.get("rank") != self._rank:
+            raise ValueError(
+                f"state_dict: this mid-round state was saved by rank {state.get('rank')} but is "
+                f"loaded on rank {self._rank}; mid-round it holds that rank's subnet and "
+                f"optimizer, so every rank must load its own file (save one per rank, e.g. "
+                f"f'ist-rank{{rank}}.pt'), or checkpoint right after synchronize(), where one "
+                f"file serves every rank")
         if mid and state["world_size"] != self._world_size:
             raise ValueError(
                 f"state_dict['world_size'] = {state['world_size']} differs from "

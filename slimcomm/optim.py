@@ -129,7 +129,15 @@ class SlimDPOptimizer:
         bucket_cap_mb: parameters are synchronised in groups of about this
             many MB of fp32 values (one collective per group).
         check_agreement_every: every n-th compressed sync checks the index
-            sets across ranks (0 = never).
+            sets across ranks with one all-reduce of 8 int64 (default 100;
+            0 = never; cost in ``stats["total"]["checks"/"check_bytes"]``).
+
+    Arguments are fixed at construction: assigning ``sync_every``,
+    ``compression``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
+    ``process_group`` or ``inner`` afterwards raises ``AttributeError``
+    (build a new ``SlimDPOptimizer``; the compressor's hyperparameters are
+    frozen the same way). Schedule the learning rate on ``inner``'s
+    ``param_groups``.
 
     Raises:
         ValueError: an argument out of range, ``inner`` not over the model's
@@ -160,7 +168,7 @@ class SlimDPOptimizer:
         seed: int = 0,
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_cap_mb: float = 25.0,
-        check_agreement_every: int = 0,
+        check_agreement_every: int = 100,
     ):
         self.process_group = process_group
         error: Optional[BaseException] = None
@@ -168,6 +176,12 @@ class SlimDPOptimizer:
         try:
             self._validate(model, inner, sync_every, compression, outer_lr, outer_momentum,
                            bucket_cap_mb)
+            for name, v in (("nesterov", nesterov), ("error_feedback", error_feedback)):
+                if not isinstance(v, bool):
+                    raise ValueError(f"{name} must be a bool (True or False), got {v!r}")
+            if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+                raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or "
+                                 f"None, got {type(process_group).__name__} {process_group!r}")
             module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
                 else model
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
@@ -212,6 +226,18 @@ class SlimDPOptimizer:
         views = [v for g in self._groups for v in g.outer_views]
         self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
         self._broadcast_initial_state()
+        self._frozen = True
+
+    _FROZEN = frozenset(("sync_every", "compression", "outer_lr", "outer_momentum", "nesterov",
+                         "process_group", "inner", "compressor"))
+
+    def __setattr__(self, name, value):
+        if name in self._FROZEN and self.__dict__.get("_frozen"):
+            raise AttributeError(
+                f"SlimDPOptimizer.{name} cannot be changed after construction (every rank's "
+                f"outer step and the synchronisation schedule depend on it); construct a new "
+                f"SlimDPOptimizer with {name}={value!r} instead")
+        object.__setattr__(self, name, value)
 
     # ---------------------------------------------------------------- setup
     @staticmethod
@@ -397,17 +423,31 @@ class SlimDPOptimizer:
         """Restore a :meth:`state_dict` of this rank, saved with the same model
         and arguments.
 
+        Collective (every rank calls it): the state records the rank that saved
+        it, and a load of another rank's state (e.g. rank 0's file on every
+        rank) or a malformed one raises on every rank before anything is
+        changed.
+
         Raises:
-            ValueError: unknown version, or group sizes that do not match.
+            ValueError: unknown version, group sizes that do not match, a
+                malformed entry (raised on the rank that has it).
+            RuntimeError: the state was saved by another rank or world size
+                (on that rank), or another rank's load failed (on the others).
         """
-        if state_dict.get("version") != _STATE_VERSION:
-            raise ValueError(f"state_dict: unknown version {state_dict.get('version')!r} "
-                             f"(expected {_STATE_VERSION})")
+        error: Optional[BaseException] = None
+        try:
+            self._check_state(state_dict)
+            err = self.compressor._owner_error(state_dict["compressor"]["owner"])
+            if err is not None:
+                raise err
+        except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+            error = exc
+        agree_across_ranks(
+            {}, error, group=self.process_group, device=self._groups[0].outer.device,
+            other_failed="SlimDPOptimizer.load_state_dict: another rank could not load its "
+                         "state_dict (see its error, e.g. a file saved by another rank); no "
+                         "rank can proceed")
         outer, mom = state_dict["outer"], state_dict["momentum"]
-        if len(outer) != len(self._groups) or any(
-                o.numel() != g.outer.numel() for o, g in zip(outer, self._groups)):
-            raise ValueError("state_dict: outer parameters do not match this model's parameter "
-                             "groups (same model and bucket_cap_mb needed)")
         self.compressor.load_state_dict(state_dict["compressor"])
         self.inner.load_state_dict(state_dict["inner"])
         with torch.no_grad():
@@ -417,9 +457,33 @@ class SlimDPOptimizer:
                                                 zip(_offsets(g.outer_views), g.outer_views)])
                 if g.momentum is not None and m is not None:
                     g.momentum.copy_(m)
-        self.local_step = int(state_dict["local_step"])
-        self.syncs = int(state_dict["syncs"])
-        self._synced_at = int(state_dict["synced_at"])
+        self.local_step = state_dict["local_step"]
+        self.syncs = state_dict["syncs"]
+        self._synced_at = state_dict["synced_at"]
+
+    def _check_state(self, state_dict: Dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(f"state_dict: unknown version {state_dict.get('version')!r} "
+                             f"(expected {_STATE_VERSION})")
+        for key in ("local_step", "syncs", "synced_at", "inner", "outer", "local", "momentum",
+                    "compressor"):
+            if key not in state_dict:
+                raise ValueError(f"state_dict lacks {key!r}")
+        for key in ("local_step", "syncs", "synced_at"):
+            v = state_dict[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"state_dict: {key} must be an int >= 0, got {v!r}")
+        outer = state_dict["outer"]
+        if len(outer) != len(self._groups) or len(state_dict["local"]) != len(self._groups) or \
+                any(o.numel() != g.outer.numel() for o, g in zip(outer, self._groups)):
+            raise ValueError("state_dict: outer parameters do not match this model's parameter "
+                             "groups (same model and bucket_cap_mb needed)")
+        if not isinstance(state_dict["compressor"], dict) or \
+                "owner" not in state_dict["compressor"]:
+            raise ValueError("state_dict: 'compressor' lacks its 'owner' (saved by an older "
+                             "slimcomm?); start from a fresh SlimDPOptimizer")
 
 
 def _offsets(views: List[torch.Tensor]) -> List[int]:
