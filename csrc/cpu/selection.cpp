@@ -259,12 +259,18 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
     std::vector<Cand> above;    // key > thr, ascending index
     std::vector<int64_t> ties;  // the first (up to tie_cap) indices with key == thr
     int64_t eq = 0;             // number of keys == thr in the chunk
+    bool overflow = false;      // more keys above thr than the bracket allows
   };
   std::vector<Part> parts(chunks);
   // Ties stored per chunk: about 2k in all (what random data's candidates
   // cost), so that usually no chunk needs re-reading.
   const int64_t tie_cap = (2 * k + chunks - 1) / chunks + 64;
   const double expect = static_cast<double>(rank + 1) / kSample;
+  // About n (rank+1)/kSample keys pass, with a relative spread of
+  // 1/sqrt(rank+1); one chunk holding 8 spreads more than all of them means
+  // the sample misjudged the data (adversarial, never random): stop, fall back.
+  const size_t above_cap = static_cast<size_t>(
+      static_cast<double>(n) * expect * (1.0 + 8.0 / std::sqrt(rank + 1.0))) + 4096;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t lo = c * chunk_len, hi = std::min(n, lo + chunk_len);
@@ -276,6 +282,10 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
         if (key >= thr) {
           if (key > thr) {
             p.above.push_back({key, i});
+            if (p.above.size() > above_cap) {
+              p.overflow = true;
+              break;
+            }
           } else {
             if (eq < tie_cap) p.ties.push_back(i);
             ++eq;
@@ -286,9 +296,16 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
     }
   });
   int64_t greater = 0, equal = 0;
+  bool overflow = false;
   for (auto& p : parts) {
     greater += static_cast<int64_t>(p.above.size());
     equal += p.eq;
+    overflow |= p.overflow;
+  }
+  if (overflow) {  // the bracket sits far too low (adversarial data): exact fallback
+    std::vector<Part>().swap(parts);
+    topk_histogram<M>(w, g, n, k, base, out, parallel);
+    return;
   }
   if (greater >= k) {  // the k-th key is above thr: resolve the candidates exactly
     std::vector<Cand> cand;
@@ -301,6 +318,7 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
     return;
   }
   if (greater + equal < k) {  // the bracket missed (rare): exact fallback
+    std::vector<Part>().swap(parts);
     topk_histogram<M>(w, g, n, k, base, out, parallel);
     return;
   }
