@@ -279,10 +279,20 @@ ALL_OPS = ["significance_topk", "significance_topk_segmented", "explore_sample",
            "unpack_acc", "gather_slices", "scatter_slices"]
 
 
+def vm_hwm() -> int:
+    """Peak resident set size of this process (bytes), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
 def _peak_child(spec: str) -> int:
     """Child side of peak_bytes: one call of the op or reference named by spec
-    (``side,inputs,n,k,dtype``) on CPU; prints its peak RSS above the inputs."""
-    import resource
+    (``side,inputs,n,k,dtype``) on CPU; prints its peak RSS above the inputs.
+    VmHWM, not getrusage's ru_maxrss: the latter also keeps the peak of the
+    (forked) parent's image from before exec."""
     side, inputs, n, k, dtype = spec.split(",")
     w, gr = topk_inputs(int(n), DTYPES[dtype], torch.device("cpu"), inputs)
     run, ref = topk_pair(w, gr, int(k))
@@ -292,7 +302,7 @@ def _peak_child(spec: str) -> int:
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     out = fn()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = vm_hwm()
     del out
     print(peak - base)
     return 0

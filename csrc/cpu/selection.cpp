@@ -276,21 +276,31 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
       const int64_t lo = c * chunk_len, hi = std::min(n, lo + chunk_len);
       auto& p = parts[c];
       p.above.reserve(static_cast<size_t>((hi - lo) * expect * 1.2) + 64);
-      int64_t eq = 0;
-      for (int64_t i = lo; i < hi; ++i) {
+      int64_t eq = 0, i = lo;
+      auto push_above = [&](uint32_t key, int64_t j) {
+        p.above.push_back({key, j});
+        if (p.above.size() <= above_cap) return true;
+        p.overflow = true;
+        return false;
+      };
+      // Until tie_cap ties are stored: on random data the whole chunk, with
+      // one rarely taken branch per element.
+      for (; i < hi && eq < tie_cap; ++i) {
         const uint32_t key = key_at<M>(w, g, i);
         if (key >= thr) {
           if (key > thr) {
-            p.above.push_back({key, i});
-            if (p.above.size() > above_cap) {
-              p.overflow = true;
-              break;
-            }
+            if (!push_above(key, i)) break;
           } else {
-            if (eq < tie_cap) p.ties.push_back(i);
+            p.ties.push_back(i);
             ++eq;
           }
         }
+      }
+      // Then (massive ties only) the ties are counted without a branch.
+      for (; i < hi && !p.overflow; ++i) {
+        const uint32_t key = key_at<M>(w, g, i);
+        if (key > thr && !push_above(key, i)) break;
+        eq += key == thr;
       }
       p.eq = eq;
     }

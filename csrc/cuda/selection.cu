@@ -358,10 +358,13 @@ __global__ void __launch_bounds__(kBlock)
   __syncthreads();
   const uint32_t prefix = static_cast<uint32_t>(state[0]);
   const uint32_t hi_mask = d + 8 >= 32 ? 0u : (~0u << (d + 8));
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kBlock) {
-    const uint32_t key = rank_key_at(w, g, i, mode);
-    if ((key & hi_mask) == prefix) atomicAdd(&h[(key >> d) & 0xFFu], 1u);
+  // Grid-stride with a block-uniform trip count, so whole warps aggregate
+  // their increments (tied keys would serialise on one bin).
+  for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * kBlock; i0 < n;
+       i0 += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const int64_t i = i0 + threadIdx.x;
+    const uint32_t key = i < n ? rank_key_at(w, g, i, mode) : 0u;
+    warp_hist_add(h, i < n && (key & hi_mask) == prefix, (key >> d) & 0xFFu);
   }
   __syncthreads();
   for (int b = threadIdx.x; b < 256; b += kBlock)
