@@ -14,6 +14,18 @@ warm-up, so background load hits both alike; the table reports medians.
 | unpack / unpack (accumulate) | ``dst.index_copy_(0, idx, v)`` / ``dst.index_add_(0, idx, v)`` |
 | gather_slices / scatter_slices | ``W[rows[:, None], cols]`` / ``W[rows[:, None], cols] = block`` (half the rows and columns, an IST subnet of 2 workers) |
 
+significance_topk also runs on tied scores (``--tied``, default
+``zero_grad,zero_weight``: an all-zero gradient, and an all-zero weight as in a
+zero-initialised layer; both make every product score 0), the rows
+``significance_topk [zero grad]`` / ``[zero weight]`` beside the random-data
+row. Every significance_topk row also reports its peak memory (``--peak``,
+on by default): on CPU the peak RSS above the inputs of ONE call in a fresh
+subprocess (the peak mark is reset through ``/proc/self/clear_refs`` just
+before the call, so it counts everything the kernel allocates, C++ included,
+and the outputs), on CUDA ``torch.cuda.max_memory_allocated`` above the
+inputs; the same for the reference. ``vs random`` is a tied row's time and
+peak memory as multiples of the random row's (same N, density, run).
+
 Columns: ``ms`` (median of the op), ``GB/s`` (bytes every op must move --
 inputs read once, outputs written once -- divided by ``ms``), ``ref ms``,
 ``speedup`` (= ref ms / ms). With ``--device cuda`` also ``copy %``: the op's
@@ -61,6 +73,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 # Issue 2 acceptance targets (CPU, 2 cores): (op, N, density) -> minimum speedup.
 TARGETS = {("significance_topk", 10**7, 0.01): 5.0, ("explore_sample", 10**7, 0.01): 10.0}
+# Issue 13: tied scores cost at most this multiple of random data's time and peak memory.
+TIED_TARGET = 1.5
+TIED_KINDS = {"zero_grad": "zero grad", "zero_weight": "zero weight"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class Case:
     nbytes: int
     run: Callable[[], object] = field(repr=False, compare=False)
     ref: Callable[[], object] = field(repr=False, compare=False)
+    inputs: str = ""  # significance_topk: "random" or a TIED_KINDS key (peak memory measured)
 
 
 @dataclass
@@ -89,6 +105,11 @@ class Row:
     ms_iqr: List[float]
     ref_ms_iqr: List[float]
     copy_frac: Optional[float] = None
+    inputs: str = ""
+    peak_mb: Optional[float] = None      # peak memory of one call above the inputs (MB)
+    ref_peak_mb: Optional[float] = None
+    time_vs_random: Optional[float] = None  # tied rows: ms / ms of the random row
+    mem_vs_random: Optional[float] = None   # tied rows: peak_mb / peak_mb of the random row
 
 
 # ---------------------------------------------------------------------------
@@ -146,22 +167,49 @@ def mlp_layout(n: int) -> List[int]:
     return [h * 784, h, h * h, h, 10 * h, 10]
 
 
-def build_cases(n: int, density: float, dtype: torch.dtype, device: torch.device, which: set,
-                with_slices: bool) -> List[Case]:
-    """The cases of one (N, density); the slice ops (no density) only when with_slices."""
+def base_inputs(n: int, dtype: torch.dtype, device: torch.device):
+    """(generator, weight, grad) of the random-data cases of size n."""
     g = torch.Generator(device="cpu").manual_seed(n)
-    es = torch.empty((), dtype=dtype).element_size()
     w = torch.randn(n, generator=g).to(dtype).to(device)
     gr = (torch.randn(n, generator=g) * 1e-3).to(dtype).to(device)
+    return g, w, gr
+
+
+def topk_inputs(n: int, dtype: torch.dtype, device: torch.device, inputs: str):
+    """(weight, grad) of a significance_topk row: random, or tied (TIED_KINDS)."""
+    _, w, gr = base_inputs(n, dtype, device)
+    if inputs == "zero_grad":
+        gr = torch.zeros_like(gr)
+    elif inputs == "zero_weight":
+        w = torch.zeros_like(w)
+    elif inputs != "random":
+        raise ValueError(inputs)
+    return w, gr
+
+
+def topk_pair(w: torch.Tensor, gr: torch.Tensor, k: int):
+    """(op, reference) callables of significance_topk on (w, gr)."""
+    def ref():
+        idx = torch.topk(w.abs() * gr.abs(), k, sorted=False).indices.sort().values
+        return idx, gr[idx]
+    return (lambda: ops.significance_topk(w, gr, k)), ref
+
+
+def build_cases(n: int, density: float, dtype: torch.dtype, device: torch.device, which: set,
+                with_slices: bool, tied: List[str] = ()) -> List[Case]:
+    """The cases of one (N, density); the slice ops (no density) only when with_slices;
+    significance_topk also on each input kind of ``tied``."""
+    g, w, gr = base_inputs(n, dtype, device)
+    es = torch.empty((), dtype=dtype).element_size()
     k = max(1, int(n * density))
     cases = []
 
     if "significance_topk" in which:
-        def topk_ref():
-            idx = torch.topk(w.abs() * gr.abs(), k, sorted=False).indices.sort().values
-            return idx, gr[idx]
-        cases.append(Case("significance_topk", n, density, 2 * n * es + k * (8 + es),
-                          lambda: ops.significance_topk(w, gr, k), topk_ref))
+        for inputs in ["random"] + list(tied):
+            tw, tg = (w, gr) if inputs == "random" else topk_inputs(n, dtype, device, inputs)
+            run, ref = topk_pair(tw, tg, k)
+            name = "significance_topk" + ("" if inputs == "random" else f" [{TIED_KINDS[inputs]}]")
+            cases.append(Case(name, n, density, 2 * n * es + k * (8 + es), run, ref, inputs))
 
     if "significance_topk_segmented" in which:
         sizes = mlp_layout(n)
@@ -231,6 +279,66 @@ ALL_OPS = ["significance_topk", "significance_topk_segmented", "explore_sample",
            "unpack_acc", "gather_slices", "scatter_slices"]
 
 
+def vm_hwm() -> int:
+    """Peak resident set size of this process (bytes), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def _peak_child(spec: str) -> int:
+    """Child side of peak_bytes: one call of the op or reference named by spec
+    (``side,inputs,n,k,dtype``) on CPU; prints its peak RSS above the inputs.
+    VmHWM, not getrusage's ru_maxrss: the latter also keeps the peak of the
+    (forked) parent's image from before exec."""
+    side, inputs, n, k, dtype = spec.split(",")
+    w, gr = topk_inputs(int(n), DTYPES[dtype], torch.device("cpu"), inputs)
+    run, ref = topk_pair(w, gr, int(k))
+    fn = run if side == "op" else ref
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    out = fn()
+    peak = vm_hwm()
+    del out
+    print(peak - base)
+    return 0
+
+
+def peak_bytes(side: str, inputs: str, n: int, k: int, dtype: str, device: torch.device,
+               threads: Optional[int]) -> Optional[int]:
+    """Peak memory of one significance_topk call ('op') or of its reference
+    ('ref') above the inputs: CUDA allocator peak on a GPU; on CPU the peak
+    RSS of a fresh subprocess (None where /proc/self/clear_refs is missing)."""
+    if device.type == "cuda":
+        w, gr = topk_inputs(n, DTYPES[dtype], device, inputs)
+        run, ref = topk_pair(w, gr, k)
+        (run if side == "op" else ref)()  # warm the allocator and the kernels
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = (run if side == "op" else ref)()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del out, w, gr
+        torch.cuda.empty_cache()
+        return peak
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    try:
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-child",
+                              f"{side},{inputs},{n},{k},{dtype}"],
+                             capture_output=True, text=True, timeout=1800, env=env, check=True)
+        return int(res.stdout.split()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return None
+
+
 def copy_ms(clock: Clock, nbytes: int, device: torch.device, repeats: int) -> float:
     """Median time of a device-to-device copy that reads nbytes/2 and writes nbytes/2."""
     n = max(1, nbytes // 8)  # float32 elements per side
@@ -288,18 +396,42 @@ def table(rows: List[Row], cuda: bool):
     headers = ["op", "N", "k/N", "count", "ms", "GB/s", "ref ms", "speedup"]
     if cuda:
         headers.append("copy %")
+    peaks = any(r.peak_mb is not None for r in rows)
+    if peaks:
+        headers += ["peak MB", "ref peak MB", "vs random (time, memory)"]
     body = []
     for r in rows:
         line = [r.op, fmt_n(r.n), f"{r.density:g}", r.count, f"{r.ms:.3f}", f"{r.gbps:.2f}",
                 f"{r.ref_ms:.3f}", f"{r.speedup:.1f}x"]
         if cuda:
             line.append("" if r.copy_frac is None else f"{100 * r.copy_frac:.0f}%")
+        if peaks:
+            line += ["" if r.peak_mb is None else f"{r.peak_mb:.1f}",
+                     "" if r.ref_peak_mb is None else f"{r.ref_peak_mb:.1f}",
+                     "" if r.time_vs_random is None else
+                     f"{r.time_vs_random:.2f}x, "
+                     + ("n/a" if r.mem_vs_random is None else f"{r.mem_vs_random:.2f}x")]
         body.append(line)
     if tabulate is not None:
         return tabulate(body, headers=headers, tablefmt="github", disable_numparse=True)
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(x) for x in b) + " |" for b in body]
     return "\n".join(lines)
+
+
+def tied_lines(rows: List[Row]) -> List[str]:
+    """Issue 13: each tied significance_topk row against the random row."""
+    out = []
+    for r in rows:
+        if r.time_vs_random is None:
+            continue
+        ok = r.time_vs_random <= TIED_TARGET and (r.mem_vs_random is None or r.mem_vs_random <= TIED_TARGET)
+        mem = "memory not measured" if r.mem_vs_random is None else (
+            f"{r.mem_vs_random:.2f}x the memory ({r.peak_mb:.1f} MB)")
+        out.append(f"- {r.op} N={fmt_n(r.n)} k={r.density:g}: {r.time_vs_random:.2f}x the time "
+                   f"({r.ms:.1f} ms) and {mem} of random data; target <= {TIED_TARGET:g}x: "
+                   + ("met" if ok else "MISSED"))
+    return out
 
 
 def target_lines(rows: List[Row], device: torch.device) -> List[str]:
@@ -340,7 +472,19 @@ def main(argv=None) -> int:
                    help="directory for the .md/.json results (default bench/out/, ignored by git; "
                         "--results-dir bench/results for the committed results; '' to skip writing)")
     p.add_argument("--tag", default="", help="suffix of the result file names (e.g. '1thread')")
+    p.add_argument("--tied", default=",".join(TIED_KINDS),
+                   help=f"significance_topk also on these tied inputs (comma-separated subset of "
+                        f"{','.join(TIED_KINDS)}; '' for none)")
+    p.add_argument("--no-peak", dest="peak", action="store_false",
+                   help="skip the peak-memory measurement of the significance_topk rows")
+    p.add_argument("--peak-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.peak_child:
+        return _peak_child(args.peak_child)
+    tied = [t.strip() for t in args.tied.split(",") if t.strip()]
+    bad = set(tied) - set(TIED_KINDS)
+    if bad:
+        p.error(f"--tied: unknown {sorted(bad)}; choose from {list(TIED_KINDS)}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -361,26 +505,45 @@ def main(argv=None) -> int:
     rows: List[Row] = []
     for n in args.sizes:
         for j, dens in enumerate(args.densities):
-            for case in build_cases(n, dens, dtype, device, which, with_slices=j == 0):
+            random_row = None
+            for case in build_cases(n, dens, dtype, device, which, with_slices=j == 0, tied=tied):
                 a, b = time_pair(clock, case, args.repeats, args.warmup)
                 ms, rms = statistics.median(a), statistics.median(b)
                 row = Row(case.op, case.n, case.density, int(case.n * case.density), ms,
-                          case.nbytes / (ms * 1e6), rms, rms / ms, quartiles(a), quartiles(b))
+                          case.nbytes / (ms * 1e6), rms, rms / ms, quartiles(a), quartiles(b),
+                          inputs=case.inputs)
                 if device.type == "cuda":
                     row.copy_frac = copy_ms(clock, case.nbytes, device, args.repeats) / ms
+                if case.inputs and args.peak:
+                    k = max(1, int(n * dens))
+                    pk = peak_bytes("op", case.inputs, n, k, args.dtype, device, args.threads)
+                    rpk = peak_bytes("ref", case.inputs, n, k, args.dtype, device, args.threads)
+                    row.peak_mb = None if pk is None else pk / 1e6
+                    row.ref_peak_mb = None if rpk is None else rpk / 1e6
+                if case.inputs == "random":
+                    random_row = row
+                elif case.inputs and random_row is not None:
+                    row.time_vs_random = ms / random_row.ms
+                    if row.peak_mb is not None and random_row.peak_mb:
+                        row.mem_vs_random = row.peak_mb / random_row.peak_mb
                 rows.append(row)
+                mem = "" if row.peak_mb is None else f", peak {row.peak_mb:.1f} MB (ref {row.ref_peak_mb or 0:.1f} MB)"
                 print(f"  {row.op:<28} N={fmt_n(row.n):>10} k/N={row.density:<5g} {ms:10.3f} ms "
-                      f"(ref {rms:10.3f} ms, {row.speedup:6.1f}x)", flush=True)
+                      f"(ref {rms:10.3f} ms, {row.speedup:6.1f}x){mem}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     tab = table(rows, device.type == "cuda")
     targets = target_lines(rows, device)
+    tied_targets = tied_lines(rows)
     print()
     print(tab)
     if targets:
         print()
         print("\n".join(targets))
+    if tied_targets:
+        print()
+        print("\n".join(tied_targets))
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -408,8 +571,17 @@ def main(argv=None) -> int:
                     "ref ms = the plain-PyTorch path (see bench/kernels.py); speedup = ref ms / ms. "
                     "count = k or m (for the slice ops: N/4, half the rows and columns).\n\n")
             f.write(tab + "\n")
+            if any(r.peak_mb is not None for r in rows):
+                f.write("\npeak MB = peak memory of one call above its inputs ("
+                        + ("CUDA allocator peak" if device.type == "cuda" else
+                           "peak RSS in a fresh subprocess, mark reset just before the call")
+                        + "), op and reference; vs random = a tied row's time and peak memory "
+                        "over the random row's.\n")
             if targets:
                 f.write("\nIssue 2 targets:\n\n" + "\n".join(targets) + "\n")
+            if tied_targets:
+                f.write("\nIssue 13 (tied scores within " f"{TIED_TARGET:g}" "x of random data):\n\n"
+                        + "\n".join(tied_targets) + "\n")
         print(f"\nwrote {stem}.md and {stem}.json")
     return 0
 

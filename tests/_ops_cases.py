@@ -141,3 +141,64 @@ def counts_for(rng: np.random.Generator, offsets, avail=None):
         else:
             out.append(int(rng.integers(0, n + 1)))
     return out
+
+
+TIED_KINDS = ["zero_grad", "zero_weight", "all_zero", "levels", "sparse", "late_top", "spread_top"]
+
+
+def make_tied(n: int, kind: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """(weight, grad) of length n whose product scores are massively tied.
+
+    zero_grad:   random weight, all-zero gradient (every product score 0);
+    zero_weight: all-zero weight (a zero-initialised layer), random gradient;
+    all_zero:    both zero;
+    levels:      weight 1, gradient from {0, 1, 2, 3} (four distinct scores);
+    sparse:      random, with 90% of the gradient zero;
+    late_top:    first half random in (0, 1), second half all equal to 2 (the
+                 top ties sit in the last chunks);
+    spread_top:  random in (0, 1) with 10% of the entries, spread out, equal
+                 to 2 (a tie group larger than k, spread over every chunk).
+    """
+    rng = np.random.default_rng(seed * 1000 + n + 17)
+    w = rng.standard_normal(n)
+    g = rng.standard_normal(n) * 1e-3
+    if kind == "zero_grad":
+        g[:] = 0.0
+    elif kind == "zero_weight":
+        w[:] = 0.0
+    elif kind == "all_zero":
+        w[:] = 0.0
+        g[:] = 0.0
+    elif kind == "levels":
+        w[:] = 1.0
+        g = rng.integers(0, 4, n).astype(np.float64)
+    elif kind == "sparse":
+        g[rng.random(n) < 0.9] = 0.0
+    elif kind == "late_top":
+        w[:] = 1.0
+        g = rng.random(n)
+        g[n // 2:] = 2.0
+    elif kind == "spread_top":
+        w[:] = 1.0
+        g = rng.random(n)
+        g[rng.random(n) < 0.1] = 2.0
+    else:
+        raise ValueError(kind)
+    return torch.from_numpy(w).to(dtype), torch.from_numpy(g).to(dtype)
+
+
+def tie_ks(w: torch.Tensor, g: torch.Tensor, score: str) -> list[int]:
+    """k values around every large tie group of the score: just before, at the
+    start, inside, at the end and just after the group in (score desc, index
+    asc) order, plus 1%, n/3 and n - 5 (the histogram path)."""
+    from slimcomm import reference as ref
+    n = w.numel()
+    s = ref.score_of(w, g, score)
+    vals, counts = torch.unique(s, return_counts=True)
+    ks = {1, n // 100, n // 3, n - 5}
+    for v, c in zip(vals.tolist(), counts.tolist()):
+        if c < 100:
+            continue
+        gt = int((s > v).sum())
+        ks.update({gt - 1, gt, gt + 1, gt + c // 2, gt + c - 1, gt + c, gt + c + 1})
+    return sorted(k for k in ks if 0 < k < n)

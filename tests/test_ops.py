@@ -16,8 +16,8 @@ import torch
 from slimcomm import ops, reference as ref
 
 from _ops_cases import (
-    DTYPES, PATTERNS, SCORES, SIZES, assert_bit_equal, assert_equal_nan, counts_for, ks_for, make_exclude,
-    make_layout, make_pair,
+    DTYPES, PATTERNS, SCORES, SIZES, TIED_KINDS, assert_bit_equal, assert_equal_nan, counts_for, ks_for,
+    make_exclude, make_layout, make_pair, make_tied, tie_ks,
 )
 
 LARGE = 2**20 + 3
@@ -120,6 +120,161 @@ def test_significance_topk_mlp_bucket_layout():
     ridx, rval = ref.significance_topk_segmented(w, g, offsets, ks)
     assert torch.equal(idx, ridx)
     assert_bit_equal(val, rval)
+
+
+# ---------------------------------------------------------------------------
+# significance_topk on tied scores (zero-initialised layers, zero gradients,
+# few distinct values): exact, and bounded in memory like random data
+# ---------------------------------------------------------------------------
+
+TIED_N = 300_007  # above the one-shot size and 4 * 2^16, so 4 threads make 4 chunks
+
+
+@pytest.fixture(params=[1, 4], ids=lambda t: f"{t}thr")
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _check_topk(w, g, k, score):
+    idx, val = ops.significance_topk(w, g, k, score)
+    ridx, rval = ref.significance_topk(w, g, k, score)
+    assert idx.shape == (k,)
+    assert torch.equal(idx, ridx), f"k={k}: selected index set differs from the reference"
+    assert_bit_equal(val, rval, f"k={k} values")
+
+
+def _tied_cases():
+    for kind in TIED_KINDS:
+        scores = SCORES if kind in ("zero_grad", "zero_weight") else ["product"]
+        for score in scores:
+            yield pytest.param(kind, score, id=f"{kind}-{score}")
+
+
+@pytest.mark.parametrize("kind,score", list(_tied_cases()))
+def test_significance_topk_tied_matches_reference(kind, score, threads):
+    # Every k around every large tie group: the k-th key above the group, at
+    # its first, middle and last member, and below it.
+    w, g = make_tied(TIED_N, kind)
+    for k in tie_ks(w, g, score):
+        _check_topk(w, g, k, score)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["zero_grad", "levels", "spread_top"])
+def test_significance_topk_tied_half_dtypes(kind, dtype):
+    w, g = make_tied(TIED_N, kind, dtype)
+    for k in (1, TIED_N // 100, TIED_N // 3, TIED_N - 5):
+        _check_topk(w, g, k, "product")
+
+
+def _mix64(x: int) -> int:
+    """splitmix64, as the CPU kernel uses to place its threshold sample."""
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+@pytest.mark.parametrize("sampled", ["top_tie", "bottom"])
+def test_significance_topk_misleading_sample_is_still_exact(sampled, threads):
+    # Data built against the kernel's sample positions: "top_tie" puts one tied
+    # top value exactly there (the bracket misses for k above their count),
+    # "bottom" puts zeros there (the bracket sits far too low). The result must
+    # not depend on the sample.
+    n = TIED_N
+    pos = torch.tensor(sorted({_mix64(j) % n for j in range(1 << 15)}))
+    rng = np.random.default_rng(5)
+    g = torch.from_numpy(rng.random(n) + 1.0).float()
+    g[pos] = 3.0 if sampled == "top_tie" else 0.0
+    w = torch.ones(n)
+    for k in (1000, pos.numel() - 1, pos.numel(), pos.numel() + 1, 50_000, n // 3):
+        _check_topk(w, g, k, "product")
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_significance_topk_segmented_tied_bucket(score, threads):
+    # A bucket of a partly zero-initialised model: a zero-gradient weight, a
+    # zero weight (LoRA B), zero biases, a few-level segment, sparse gradients,
+    # small segments; each k on or around a tie boundary of its segment.
+    parts, ks = [], []
+    rng = np.random.default_rng(11)
+    for kind, n in (("zero_grad", 200_003), ("all_zero", 300), ("zero_weight", 131_075),
+                    ("levels", 100_001), ("sparse", 70_001), ("all_zero", 5), ("spread_top", 40_000),
+                    ("levels", 999)):
+        w, g = make_tied(n, kind, seed=len(parts))
+        parts.append((w, g))
+        cands = tie_ks(w, g, score) if n > 1 else [1]
+        ks.append(int(rng.choice(cands)))
+    w = torch.cat([p[0] for p in parts])
+    g = torch.cat([p[1] for p in parts])
+    offsets = [0]
+    for p in parts:
+        offsets.append(offsets[-1] + p[0].numel())
+    idx, val = ops.significance_topk_segmented(w, g, offsets, ks, score)
+    ridx, rval = ref.significance_topk_segmented(w, g, offsets, ks, score)
+    assert torch.equal(idx, ridx)
+    assert_bit_equal(val, rval)
+    pos = 0
+    for s, k in enumerate(ks):
+        lo, hi = offsets[s], offsets[s + 1]
+        si, _ = ops.significance_topk(w[lo:hi], g[lo:hi], k, score)
+        assert torch.equal(idx[pos:pos + k], si + lo), f"segment {s} differs from the single op"
+        pos += k
+
+
+_PEAK_SCRIPT = r"""
+import sys, torch
+from slimcomm import ops
+n, k, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+g = torch.Generator().manual_seed(0)
+w = torch.randn(n, generator=g)
+gr = torch.randn(n, generator=g)
+if kind == "zero_grad":
+    gr.zero_()
+elif kind == "zero_weight":
+    w.zero_()
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak-RSS mark to the current RSS
+base = rss()
+ops.significance_topk(w, gr, k)
+with open("/proc/self/status") as f:  # VmHWM: ru_maxrss keeps the forked parent's peak
+    hwm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+print(hwm - base)
+"""
+
+
+def _peak_bytes(n, k, kind):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(n), str(k), kind], env=env,
+                         capture_output=True, text=True, timeout=300, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_significance_topk_tied_memory_is_bounded_like_random():
+    # The peak memory (RSS above the inputs) of one call on an all-zero
+    # gradient or weight stays within 1.5x of random data's (it was ~36 bytes
+    # per element: every element a candidate).
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("needs Linux /proc/self/clear_refs to measure the peak RSS")
+    n, k = 4_000_000, 40_000
+    rand = _peak_bytes(n, k, "random")
+    for kind in ("zero_grad", "zero_weight"):
+        tied = _peak_bytes(n, k, kind)
+        assert tied <= 1.5 * rand + (2 << 20), (
+            f"{kind}: peak {tied / n:.2f} B/element vs random {rand / n:.2f} B/element")
 
 
 # ---------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import torch
 from slimcomm import ops
 
 from _ops_cases import (
-    DTYPES, PATTERNS, SCORES, assert_bit_equal, assert_equal_nan, counts_for, ks_for,
-    make_exclude, make_layout, make_pair,
+    DTYPES, PATTERNS, SCORES, TIED_KINDS, assert_bit_equal, assert_equal_nan, counts_for, ks_for,
+    make_exclude, make_layout, make_pair, make_tied, tie_ks,
 )
 
 if not torch.cuda.is_available():
@@ -203,6 +203,39 @@ def test_topk_large_segments_at_odd_offsets(pattern):
         offsets.append(offsets[-1] + n)
     ks = [1, 1_000, 0, 25_000, 7, 2_999]
     w, g = make_pair(offsets[-1], torch.float32, pattern, seed=11)
+    idx, val = ops.significance_topk_segmented(w, g, offsets, ks)
+    cidx, cval = ops.significance_topk_segmented(*_cuda(w, g), offsets, ks)
+    assert torch.equal(cidx.cpu(), idx)
+    assert_bit_equal(cval.cpu(), val)
+
+
+@pytest.mark.parametrize("n", [50_001, 300_007, 2**22 + 1])
+@pytest.mark.parametrize("kind", TIED_KINDS)
+def test_topk_tied_cuda_equals_cpu(kind, n):
+    """Tied scores (zero gradient / weight, few levels, ties straddling k): the
+    block path (n <= 2^16), the bracket path with the threshold as the k-th
+    key (tie emission), and the radix fallback (k close to n)."""
+    w, g = make_tied(n, kind)
+    cw, cg = _cuda(w, g)
+    for score in (SCORES if kind in ("zero_grad", "zero_weight") else ["product"]):
+        for k in tie_ks(w, g, score):
+            idx, val = ops.significance_topk(w, g, k, score)
+            cidx, cval = ops.significance_topk(cw, cg, k, score)
+            assert torch.equal(cidx.cpu(), idx), (score, k)
+            assert_bit_equal(cval.cpu(), val)
+
+
+def test_topk_tied_segments_at_odd_offsets():
+    """A bucket of tied segments (zero grad, zero weight, levels) at odd offsets."""
+    parts = [make_tied(n, kind, seed=i) for i, (kind, n) in enumerate(
+        [("zero_grad", 100_003), ("all_zero", 5), ("zero_weight", 250_001), ("levels", 70_001),
+         ("all_zero", 40_000), ("spread_top", 299_999)])]
+    w = torch.cat([p[0] for p in parts])
+    g = torch.cat([p[1] for p in parts])
+    offsets = [0]
+    for p in parts:
+        offsets.append(offsets[-1] + p[0].numel())
+    ks = [1_000, 3, 2_501, 40_000, 39_999, 30_000]
     idx, val = ops.significance_topk_segmented(w, g, offsets, ks)
     cidx, cval = ops.significance_topk_segmented(*_cuda(w, g), offsets, ks)
     assert torch.equal(cidx.cpu(), idx)

@@ -1,14 +1,22 @@
 // CPU kernels of the selection ops: significance_topk and explore_sample,
 // single-segment and segmented.
 //
-// significance_topk: two streaming passes over (weight, grad).
-//   1. Per-thread-chunk histogram of the top 16 bits of the fp32 score's key
-//      (score_key in common.h), reduced to find the bin holding the k-th key.
-//   2. Each chunk writes the indices of keys in higher bins ("certain") and
-//      the (key, index) pairs of keys in the threshold bin ("candidates") at
-//      offsets known from pass 1, so both lists come out ascending by index.
-//   The candidates are resolved exactly by (key desc, index asc) with
-//   nth_element and merged with the certain list.
+// significance_topk: one streaming pass over (weight, grad) in the usual case.
+//   A hashed sample of the keys (score_key in common.h) brackets the k-th
+//   largest key from below: thr. Each thread chunk keeps the (key, index) pairs
+//   with key > thr (about k of them, like a bracket on random data) and only
+//   COUNTS the keys equal to thr, storing the first few of their indices. Then
+//   either at least k keys exceed thr (resolve them exactly with nth_element),
+//   or thr is the k-th key: every key above it is taken plus the first k - G
+//   ties in index order (read from the stored indices, or by re-reading the
+//   chunks that supply them, from where their stored list stopped). A
+//   degenerate distribution (all-zero gradients or weights, a few distinct
+//   values) therefore costs what random data costs: memory O(k), one pass.
+//   Fallback (k close to n, or the bracket missed): a 16-bit histogram pass;
+//   if the threshold bin is small its (key, index) pairs are resolved
+//   exactly, else (a degenerate bin) a second histogram on the low 16 bits of
+//   that bin gives the exact k-th key and each chunk's number of ties to take,
+//   and an ordered emission pass writes the result: memory O(k + chunks * 2^16).
 // explore_sample: Philox draws scaled to ranks among the non-excluded indices,
 //   the first distinct ones kept (a bitmap, or a hash set when the sample is
 //   tiny against the range), O(m) draws instead of a key per index; the
@@ -83,8 +91,12 @@ void finish_candidates(const std::vector<Cand>& cand, int64_t k, int64_t base, i
   }
 }
 
-// Exact selection with a 16-bit histogram pass and a compaction pass; used
-// when the sampled bracket of topk_select misses.
+// Exact selection by a 16-bit histogram pass; used when k is close to n or
+// the sampled bracket of topk_select missed. A small threshold bin is
+// resolved from its (key, index) pairs; a large one (ties: a degenerate
+// distribution puts most keys in one bin) by a second histogram on the low 16
+// bits of that bin and an ordered emission pass, so memory stays O(k) plus
+// the histograms whatever the distribution.
 template <ScoreMode M, typename T>
 void topk_histogram(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int64_t* out,
                     bool parallel) {
@@ -97,33 +109,85 @@ void topk_histogram(const T* w, const T* g, int64_t n, int64_t k, int64_t base, 
       for (int64_t c = c0; c < c1; ++c) fn(c, c * chunk_len, std::min(n, (c + 1) * chunk_len));
     });
   };
+  // The bin holding the need-th largest key of the summed histogram and the
+  // number of keys in the bins above it.
+  auto threshold_bin = [&](int64_t need, int& bin, int64_t& above) {
+    std::vector<int64_t> total(kBins, 0);
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int b = 0; b < kBins; ++b) total[b] += hist[c * kBins + b];
+    above = 0;
+    bin = kBins - 1;
+    for (; bin > 0; --bin) {
+      if (above + total[bin] >= need) break;
+      above += total[bin];
+    }
+    return total[bin];
+  };
 
-  // Pass 1: histograms.
+  // Pass 1: histograms of the high 16 bits.
   for_chunks([&](int64_t c, int64_t lo, int64_t hi) {
     uint32_t* h = hist.data() + c * kBins;
     for (int64_t i = lo; i < hi; ++i) ++h[key_at<M>(w, g, i) >> 16];
   });
+  int tb;
+  int64_t above;
+  const int64_t in_bin = threshold_bin(k, tb, above);
+  const int64_t need = k - above;
+  // Keys of chunk c in bins above `bin` of its histogram.
+  auto above_in_chunk = [&](int64_t c, int bin) {
+    int64_t a = 0;
+    const uint32_t* h = hist.data() + c * kBins;
+    for (int b = bin + 1; b < kBins; ++b) a += h[b];
+    return a;
+  };
 
-  // Threshold bin: the bin holding the k-th largest key.
-  std::vector<int64_t> total(kBins, 0);
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int b = 0; b < kBins; ++b) total[b] += hist[c * kBins + b];
-  int64_t above = 0;
-  int tb = kBins - 1;
-  for (; tb > 0; --tb) {
-    if (above + total[tb] >= k) break;
-    above += total[tb];
+  if (in_bin > std::max<int64_t>(kSmall, n / 64)) {
+    // Degenerate threshold bin: the exact k-th key from its low 16 bits.
+    std::vector<int64_t> gt(chunks), eq(chunks), off(chunks + 1, 0), take(chunks);
+    for (int64_t c = 0; c < chunks; ++c) gt[c] = above_in_chunk(c, tb);
+    std::fill(hist.begin(), hist.end(), 0u);
+    // Pass 2: histograms of the low 16 bits of the keys in bin tb.
+    for_chunks([&](int64_t c, int64_t lo, int64_t hi) {
+      uint32_t* h = hist.data() + c * kBins;
+      const uint32_t t = static_cast<uint32_t>(tb);
+      for (int64_t i = lo; i < hi; ++i) {
+        const uint32_t key = key_at<M>(w, g, i);
+        if ((key >> 16) == t) ++h[key & 0xFFFFu];
+      }
+    });
+    int tl;
+    int64_t above_lo;
+    threshold_bin(need, tl, above_lo);
+    const uint32_t kth = (static_cast<uint32_t>(tb) << 16) | static_cast<uint32_t>(tl);
+    // Every key > kth is taken, and the first `ties` keys == kth in index order.
+    int64_t ties = need - above_lo;
+    for (int64_t c = 0; c < chunks; ++c) {
+      gt[c] += above_in_chunk(c, tl);
+      eq[c] = hist[c * kBins + tl];
+      take[c] = std::min(eq[c], ties);
+      ties -= take[c];
+      off[c + 1] = off[c] + gt[c] + take[c];
+    }
+    // Pass 3: ordered emission at known offsets (each chunk stops once it has
+    // written its share).
+    for_chunks([&](int64_t c, int64_t lo, int64_t hi) {
+      int64_t* o = out + off[c];
+      int64_t* const end = out + off[c + 1];
+      int64_t left = take[c];
+      for (int64_t i = lo; i < hi && o < end; ++i) {
+        const uint32_t key = key_at<M>(w, g, i);
+        if (key > kth || (key == kth && left-- > 0)) *o++ = base + i;
+      }
+    });
+    return;
   }
+
   // Per-chunk write offsets for the certain list and the candidate list.
   std::vector<int64_t> off_above(chunks + 1, 0), off_cand(chunks + 1, 0);
   for (int64_t c = 0; c < chunks; ++c) {
-    int64_t a = 0;
-    const uint32_t* h = hist.data() + c * kBins;
-    for (int b = tb + 1; b < kBins; ++b) a += h[b];
-    off_above[c + 1] = off_above[c] + a;
-    off_cand[c + 1] = off_cand[c] + h[tb];
+    off_above[c + 1] = off_above[c] + above_in_chunk(c, tb);
+    off_cand[c + 1] = off_cand[c] + hist[c * kBins + tb];
   }
-  const int64_t need = k - above;
   std::vector<int64_t> certain(above);
   std::vector<Cand> cand(off_cand[chunks]);
 
@@ -159,8 +223,9 @@ void topk_histogram(const T* w, const T* g, int64_t n, int64_t k, int64_t base, 
 
 // Writes the k selected indices of [0, n), ascending, to out (local indices + base).
 // One streaming pass: a sample of the keys brackets the k-th largest key from
-// below; every key at or above the bracket is a candidate, and the candidates
-// (about k of them) are resolved exactly.
+// below (thr); keys above thr are candidates (about k of them), keys equal to
+// thr are counted and the first few of each chunk remembered, so a massive
+// tie at thr (all-zero scores) costs no more memory or time than random data.
 template <ScoreMode M, typename T>
 void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int64_t* out,
                  bool parallel) {
@@ -190,29 +255,118 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
 
   const int64_t chunks = parallel ? num_chunks(n) : 1;
   const int64_t chunk_len = (n + chunks - 1) / chunks;
-  std::vector<std::vector<Cand>> parts(chunks);
+  struct Part {
+    std::vector<Cand> above;    // key > thr, ascending index
+    std::vector<int64_t> ties;  // the first (up to tie_cap) indices with key == thr
+    int64_t eq = 0;             // number of keys == thr in the chunk
+    bool overflow = false;      // more keys above thr than the bracket allows
+  };
+  std::vector<Part> parts(chunks);
+  // Ties stored per chunk: about 2k in all (what random data's candidates
+  // cost), so that usually no chunk needs re-reading.
+  const int64_t tie_cap = (2 * k + chunks - 1) / chunks + 64;
   const double expect = static_cast<double>(rank + 1) / kSample;
+  // About n (rank+1)/kSample keys pass, with a relative spread of
+  // 1/sqrt(rank+1); one chunk holding 8 spreads more than all of them means
+  // the sample misjudged the data (adversarial, never random): stop, fall back.
+  const size_t above_cap = static_cast<size_t>(
+      static_cast<double>(n) * expect * (1.0 + 8.0 / std::sqrt(rank + 1.0))) + 4096;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t lo = c * chunk_len, hi = std::min(n, lo + chunk_len);
       auto& p = parts[c];
-      p.reserve(static_cast<size_t>((hi - lo) * expect * 1.2) + 64);
-      for (int64_t i = lo; i < hi; ++i) {
+      p.above.reserve(static_cast<size_t>((hi - lo) * expect * 1.2) + 64);
+      int64_t eq = 0, i = lo;
+      auto push_above = [&](uint32_t key, int64_t j) {
+        p.above.push_back({key, j});
+        if (p.above.size() <= above_cap) return true;
+        p.overflow = true;
+        return false;
+      };
+      // Until tie_cap ties are stored: on random data the whole chunk, with
+      // one rarely taken branch per element.
+      for (; i < hi && eq < tie_cap; ++i) {
         const uint32_t key = key_at<M>(w, g, i);
-        if (key >= thr) p.push_back({key, i});
+        if (key >= thr) {
+          if (key > thr) {
+            if (!push_above(key, i)) break;
+          } else {
+            p.ties.push_back(i);
+            ++eq;
+          }
+        }
       }
+      // Then (massive ties only) the ties are counted without a branch.
+      for (; i < hi && !p.overflow; ++i) {
+        const uint32_t key = key_at<M>(w, g, i);
+        if (key > thr && !push_above(key, i)) break;
+        eq += key == thr;
+      }
+      p.eq = eq;
     }
   });
-  size_t total = 0;
-  for (auto& p : parts) total += p.size();
-  if (static_cast<int64_t>(total) < k) {  // the bracket missed (rare): exact fallback
+  int64_t greater = 0, equal = 0;
+  bool overflow = false;
+  for (auto& p : parts) {
+    greater += static_cast<int64_t>(p.above.size());
+    equal += p.eq;
+    overflow |= p.overflow;
+  }
+  if (overflow) {  // the bracket sits far too low (adversarial data): exact fallback
+    std::vector<Part>().swap(parts);
     topk_histogram<M>(w, g, n, k, base, out, parallel);
     return;
   }
-  std::vector<Cand> cand;
-  cand.reserve(total);
-  for (auto& p : parts) cand.insert(cand.end(), p.begin(), p.end());
-  finish_candidates(cand, k, base, out);
+  if (greater >= k) {  // the k-th key is above thr: resolve the candidates exactly
+    std::vector<Cand> cand;
+    cand.reserve(greater);
+    for (auto& p : parts) {
+      cand.insert(cand.end(), p.above.begin(), p.above.end());
+      std::vector<Cand>().swap(p.above);
+    }
+    finish_candidates(cand, k, base, out);
+    return;
+  }
+  if (greater + equal < k) {  // the bracket missed (rare): exact fallback
+    std::vector<Part>().swap(parts);
+    topk_histogram<M>(w, g, n, k, base, out, parallel);
+    return;
+  }
+  // thr is the k-th key: take every key above it and the first k - greater
+  // ties in index order. A chunk that must supply more ties than it stored is
+  // re-read from just after its last stored tie (all-zero data: about k - tie_cap
+  // elements of the first chunk).
+  std::vector<int64_t> take(chunks);
+  int64_t left = k - greater;
+  for (int64_t c = 0; c < chunks; ++c) {
+    take[c] = std::min(parts[c].eq, left);
+    left -= take[c];
+  }
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      auto& t = parts[c].ties;
+      if (static_cast<int64_t>(t.size()) >= take[c]) {
+        t.resize(take[c]);
+        continue;
+      }
+      const int64_t hi = std::min(n, (c + 1) * chunk_len);
+      t.reserve(take[c]);
+      for (int64_t i = t.empty() ? c * chunk_len : t.back() + 1;
+           i < hi && static_cast<int64_t>(t.size()) < take[c]; ++i)
+        if (key_at<M>(w, g, i) == thr) t.push_back(i);
+    }
+  });
+  // Merge the ascending lists (chunk by chunk: every index of chunk c is below
+  // those of chunk c + 1).
+  int64_t o = 0;
+  for (auto& p : parts) {
+    size_t a = 0, b = 0;
+    const size_t na = p.above.size(), nb = p.ties.size();
+    while (a < na && b < nb)
+      out[o++] = base + (p.above[a].idx < p.ties[b] ? p.above[a++].idx : p.ties[b++]);
+    while (a < na) out[o++] = base + p.above[a++].idx;
+    while (b < nb) out[o++] = base + p.ties[b++];
+  }
 }
 
 template <typename T>

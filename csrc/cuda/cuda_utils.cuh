@@ -115,6 +115,16 @@ __device__ __forceinline__ int64_t count_below(const int64_t* a, int64_t n, int6
   return lo;
 }
 
+// Adds 1 to hist[bin] for every lane of the warp with `ok`, with one shared
+// atomic per distinct bin of the warp: on tied keys (all-zero scores) every
+// lane hits the same bin, and 32 atomics on one address would serialise.
+// Every lane of the warp must call it (warp-uniform control flow).
+__device__ __forceinline__ void warp_hist_add(unsigned int* hist, bool ok, unsigned int bin) {
+  const unsigned int peers = __match_any_sync(0xFFFFFFFFu, ok ? bin : 0xFFFFFFFFu);
+  if (ok && __ffs(peers) - 1 == static_cast<int>(threadIdx.x & 31u))
+    atomicAdd(&hist[bin], static_cast<unsigned int>(__popc(peers)));
+}
+
 // ---------------------------------------------------------------------------
 // Block-level exact selection.
 // ---------------------------------------------------------------------------
@@ -130,7 +140,7 @@ struct SelectShared {
 // 1 <= m <= number of valid items. On return (in every thread):
 //   T    = the m-th smallest key among the valid items,
 //   need = m - #(valid items with key < T), 1 <= need <= #(key == T).
-// Must be called by all threads of the block.
+// Must be called by all threads of the block (BLOCK a multiple of 32).
 template <typename KeyT, int BLOCK, typename KeyFn>
 __device__ void block_select_threshold(const KeyFn& kf, int64_t len, int64_t m,
                                        SelectShared<KeyT>& sh, KeyT& T, int64_t& need) {
@@ -144,11 +154,13 @@ __device__ void block_select_threshold(const KeyFn& kf, int64_t len, int64_t m,
     __syncthreads();
     const KeyT prefix = sh.prefix;
     const KeyT hi_mask = (d + 8 >= kBits) ? KeyT(0) : static_cast<KeyT>(~KeyT(0) << (d + 8));
+    // Block-uniform trip count, so whole warps aggregate their increments.
 #pragma unroll 4
-    for (int64_t i = threadIdx.x; i < len; i += BLOCK) {
+    for (int64_t i0 = 0; i0 < len; i0 += BLOCK) {
+      const int64_t i = i0 + threadIdx.x;
       KeyT key = KeyT(0);
-      if (kf(i, key) && (key & hi_mask) == prefix)
-        atomicAdd(&sh.hist[static_cast<unsigned int>(key >> d) & 0xFFu], 1u);
+      const bool ok = i < len && kf(i, key) && (key & hi_mask) == prefix;
+      warp_hist_add(sh.hist, ok, static_cast<unsigned int>(key >> d) & 0xFFu);
     }
     __syncthreads();
     if (threadIdx.x == 0) {

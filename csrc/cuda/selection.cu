@@ -30,14 +30,21 @@
 //      threshold is the sample's (rank+1)-th best key, rank chosen so that at
 //      least k keys pass with overwhelming probability;
 //   2. ONE streaming pass (16-byte vector loads, fp32 scores) appends every
-//      (key << 32 | index) at or below the threshold to a candidate buffer,
+//      (key << 32 | index) strictly below the threshold to a candidate buffer,
 //      with one block-aggregated atomic per 4096 elements (the order of the
-//      buffer is irrelevant: the next step sorts it by a total order);
-//   3. the candidate count is read back (HOST SYNC: it sizes the sort and
-//      decides on the fallback); the candidates are radix-sorted, the first
-//      k are the answer, and their indices are sorted ascending;
-//   4. fallback when the bracket missed (fewer than k, or more candidates than
-//      the buffer holds, e.g. massive ties at the threshold): four device-wide
+//      buffer is irrelevant: the next step sorts it by a total order), and
+//      only COUNTS the keys equal to the threshold, per tile of 4096 indices
+//      (so a degenerate distribution -- all-zero gradients or weights, a few
+//      distinct values -- cannot fill the buffer: memory stays O(k));
+//   3. the candidate and tie counts are read back (HOST SYNC: they size the
+//      sort and decide on the path); with at least k candidates they are
+//      radix-sorted and the first k are the answer; otherwise the threshold
+//      is the k-th key and the answer is every candidate plus the first
+//      k - candidates ties in index order, emitted from the tiles that supply
+//      them (prefix sums of the tile counts; tiles past the last needed tie
+//      return at once); the k indices are then sorted ascending;
+//   4. fallback when the bracket missed (fewer than k candidates and ties, or
+//      more candidates than the buffer holds): four device-wide
 //      8-bit radix-select histogram passes find the exact k-th key and the
 //      number of ties to take, then a tiled two-pass ordered compaction
 //      (per-tile counts, prefix sums, ordered emission) writes the result
@@ -189,7 +196,9 @@ __global__ void __launch_bounds__(1024)
   if (threadIdx.x == 0) *thr_out = thr;
 }
 
-// Appends (key << 32 | idx0 + i) for every i in [0, len) with key <= *thr_p.
+// Appends (key << 32 | idx0 + i) for every i in [0, len) with key < *thr_p,
+// and counts the keys == *thr_p: per tile of kTileItems segment indices
+// (idx0 + i) / kTileItems in tie_cnt, and in all in *ties.
 // VEC elements per 16-byte load (VEC = 1: scalar loads, any alignment);
 // len must be a multiple of VEC and w, g 16-byte aligned when VEC > 1.
 template <typename T, int VEC>
@@ -197,14 +206,18 @@ __global__ void __launch_bounds__(kBlock)
     topk_compact_kernel(const T* __restrict__ w, const T* __restrict__ g, int64_t len,
                         int64_t idx0, int mode, const uint32_t* __restrict__ thr_p,
                         uint64_t* __restrict__ cand, unsigned long long* __restrict__ count,
-                        int64_t cap) {
+                        int64_t cap, unsigned long long* __restrict__ tie_cnt,
+                        unsigned long long* __restrict__ ties) {
   constexpr int UNROLL = VEC >= 16 ? 1 : 16 / VEC;
-  constexpr int64_t kTile = int64_t(kBlock) * UNROLL;
+  constexpr int64_t kTile = int64_t(kBlock) * UNROLL;  // vectors: kTile * VEC = kTileItems items
+  static_assert(kTile * VEC == kTileItems, "a block tile spans at most two count tiles");
   struct alignas(sizeof(T) * VEC) V {
     T v[VEC];
   };
   using Scan = cub::BlockScan<int, kBlock>;
+  using Reduce = cub::BlockReduce<int, kBlock>;
   __shared__ typename Scan::TempStorage scan;
+  __shared__ typename Reduce::TempStorage red;
   __shared__ unsigned long long s_base;
   const uint32_t thr = *thr_p;
   const bool use_w = mode != static_cast<int>(ScoreMode::kGrad);
@@ -224,23 +237,36 @@ __global__ void __launch_bounds__(kBlock)
         if (use_g) b[r] = vg[v];
       }
     }
+    // The block tile's items lie in count tiles t0 and t0 + 1; ties are
+    // counted as (in t0) + (in t0 + 1) << 16 (each at most kTileItems < 2^16).
+    const int64_t first = idx0 + tile * kTile * VEC;
+    const int64_t t0 = first / kTileItems, split = (t0 + 1) * kTileItems;
     uint32_t key[UNROLL][VEC];
-    int cnt = 0;
+    int cnt = 0, eq = 0;
 #pragma unroll
     for (int r = 0; r < UNROLL; ++r) {
-      const bool ok = v0 + int64_t(r) * kBlock < nvec;
+      const int64_t v = v0 + int64_t(r) * kBlock;
+      const bool ok = v < nvec;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         key[r][j] = ok ? rank_key(use_w ? static_cast<float>(a[r].v[j]) : 0.f,
                                   use_g ? static_cast<float>(b[r].v[j]) : 0.f, mode)
                        : 0u;
-        cnt += (ok && key[r][j] <= thr) ? 1 : 0;
+        cnt += (ok && key[r][j] < thr) ? 1 : 0;
+        if (ok && key[r][j] == thr) eq += idx0 + v * VEC + j < split ? 1 : (1 << 16);
       }
     }
     int off, total;
     Scan(scan).ExclusiveSum(cnt, off, total);
-    if (threadIdx.x == 0)
+    const int eq_sum = Reduce(red).Sum(eq);  // valid in thread 0
+    if (threadIdx.x == 0) {
       s_base = total > 0 ? atomicAdd(count, static_cast<unsigned long long>(total)) : 0ull;
+      const unsigned long long e0 = static_cast<unsigned int>(eq_sum) & 0xFFFFu;
+      const unsigned long long e1 = static_cast<unsigned int>(eq_sum) >> 16;
+      if (e0) atomicAdd(&tie_cnt[t0], e0);
+      if (e1) atomicAdd(&tie_cnt[t0 + 1], e1);
+      if (e0 + e1) atomicAdd(ties, e0 + e1);
+    }
     __syncthreads();
     unsigned long long pos = s_base + static_cast<unsigned long long>(off);
 #pragma unroll
@@ -249,7 +275,7 @@ __global__ void __launch_bounds__(kBlock)
       const bool ok = v < nvec;
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        if (ok && key[r][j] <= thr) {
+        if (ok && key[r][j] < thr) {
           if (pos < static_cast<unsigned long long>(cap))
             cand[pos] = (static_cast<uint64_t>(key[r][j]) << 32) |
                         static_cast<uint32_t>(idx0 + v * VEC + j);
@@ -285,13 +311,14 @@ __global__ void topk_write_kernel(const uint32_t* __restrict__ idx, int64_t k, i
 // relative to each other).
 template <typename T>
 void launch_topk_compact(const T* w, const T* g, int64_t n, int mode, const uint32_t* thr,
-                         uint64_t* cand, unsigned long long* count, int64_t cap) {
+                         uint64_t* cand, unsigned long long* count, int64_t cap,
+                         unsigned long long* tie_cnt, unsigned long long* ties) {
   constexpr int VEC = 16 / sizeof(T);
   cudaStream_t st = current_stream();
   auto scalar = [&](int64_t a, int64_t b) {
     if (b <= a) return;
     topk_compact_kernel<T, 1><<<grid_for(b - a, kBlock * 16), kBlock, 0, st>>>(
-        w + a, g + a, b - a, a, mode, thr, cand, count, cap);
+        w + a, g + a, b - a, a, mode, thr, cand, count, cap, tie_cnt, ties);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   const uintptr_t aw = reinterpret_cast<uintptr_t>(w) % 16, ag = reinterpret_cast<uintptr_t>(g) % 16;
@@ -307,7 +334,7 @@ void launch_topk_compact(const T* w, const T* g, int64_t n, int mode, const uint
   scalar(0, head);
   if (body > 0) {
     topk_compact_kernel<T, VEC><<<grid_for(body, kBlock * 16), kBlock, 0, st>>>(
-        w + head, g + head, body, head, mode, thr, cand, count, cap);
+        w + head, g + head, body, head, mode, thr, cand, count, cap, tie_cnt, ties);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   scalar(head + body, n);
@@ -331,10 +358,13 @@ __global__ void __launch_bounds__(kBlock)
   __syncthreads();
   const uint32_t prefix = static_cast<uint32_t>(state[0]);
   const uint32_t hi_mask = d + 8 >= 32 ? 0u : (~0u << (d + 8));
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kBlock) {
-    const uint32_t key = rank_key_at(w, g, i, mode);
-    if ((key & hi_mask) == prefix) atomicAdd(&h[(key >> d) & 0xFFu], 1u);
+  // Grid-stride with a block-uniform trip count, so whole warps aggregate
+  // their increments (tied keys would serialise on one bin).
+  for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * kBlock; i0 < n;
+       i0 += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const int64_t i = i0 + threadIdx.x;
+    const uint32_t key = i < n ? rank_key_at(w, g, i, mode) : 0u;
+    warp_hist_add(h, i < n && (key & hi_mask) == prefix, (key >> d) & 0xFFu);
   }
   __syncthreads();
   for (int b = threadIdx.x; b < 256; b += kBlock)
@@ -444,6 +474,33 @@ void topk_radix(const T* w, const T* g, int64_t n, int64_t k, int mode, int64_t 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Bracket path with the threshold as the k-th key: writes, to idx[0, need),
+// the indices of the first `need` keys == *thr_p in index order (tile t holds
+// tie_cnt[t] of them, tie_pre[t] before it). Tiles past the last needed tie
+// return at once.
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    topk_tie_emit_kernel(const T* __restrict__ w, const T* __restrict__ g, int64_t n, int mode,
+                         const uint32_t* __restrict__ thr_p, int64_t ntiles,
+                         const int64_t* __restrict__ tie_cnt, const int64_t* __restrict__ tie_pre,
+                         int64_t need, uint32_t* __restrict__ idx) {
+  __shared__ typename cub::BlockScan<int, kBlock>::TempStorage scan;
+  const uint32_t thr = *thr_p;
+  // Only the ties take part (the keys below thr are already candidates).
+  auto kf = [w, g, mode, thr](int64_t i, uint32_t& key) {
+    key = rank_key_at(w, g, i, mode);
+    return key == thr;
+  };
+  for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
+    const int64_t before = tie_pre[t];
+    if (before >= need) continue;  // uniform across the block
+    const int64_t begin = t * kTileItems, end = std::min(n, begin + kTileItems);
+    block_emit_ordered<uint32_t, kBlock>(
+        kf, begin, end, thr, need, before, before, std::min(before + tie_cnt[t], need),
+        [&](int64_t pos, int64_t i) { idx[pos] = static_cast<uint32_t>(i); }, scan);
+  }
+}
+
 // The bracket path; returns false (having written nothing) when it missed.
 template <typename T>
 bool topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t rank, int mode,
@@ -451,9 +508,13 @@ bool topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t rank, in
   cudaStream_t st = current_stream();
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
   at::Tensor keys = at::empty({kSample}, i64.dtype(at::kInt));
-  at::Tensor misc = at::zeros({2}, i64);  // [0] candidate count, [1] threshold
+  // [0] candidate count, [1] threshold, [2] tie count, [3, 3 + ntiles) ties per tile.
+  const int64_t ntiles = (n + kTileItems - 1) / kTileItems;
+  at::Tensor misc = at::zeros({3 + ntiles}, i64);
   auto* count = reinterpret_cast<unsigned long long*>(misc.data_ptr<int64_t>());
   auto* thr = reinterpret_cast<uint32_t*>(misc.data_ptr<int64_t>() + 1);
+  auto* ties = reinterpret_cast<unsigned long long*>(misc.data_ptr<int64_t>() + 2);
+  auto* tie_cnt = reinterpret_cast<unsigned long long*>(misc.data_ptr<int64_t>() + 3);
   auto* pkeys = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
   topk_sample_kernel<T><<<kSample / kBlock, kBlock, 0, st>>>(w, g, n, mode, pkeys);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -465,19 +526,33 @@ bool topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t rank, in
       n, static_cast<int64_t>(expect * (1.0 + 8.0 / std::sqrt(rank + 1.0))) + 1024);
   at::Tensor cand = at::empty({cap}, i64);
   auto* pcand = reinterpret_cast<uint64_t*>(cand.data_ptr<int64_t>());
-  launch_topk_compact<T>(w, g, n, mode, thr, pcand, count, cap);
-  // HOST SYNC: the candidate count sizes the sort below and decides on the fallback.
-  const int64_t total = misc[0].item<int64_t>();
-  if (total < k || total > cap) return false;
-  at::Tensor sorted = at::empty({total}, i64);
-  auto* psorted = reinterpret_cast<uint64_t*>(sorted.data_ptr<int64_t>());
-  sort_keys<uint64_t>(pcand, psorted, total, 64, dev);
+  launch_topk_compact<T>(w, g, n, mode, thr, pcand, count, cap, tie_cnt, ties);
+  // HOST SYNC: the candidate and tie counts size the sort and decide on the path.
+  const at::Tensor head = misc.slice(0, 0, 3).cpu();
+  const int64_t total = head.data_ptr<int64_t>()[0], nties = head.data_ptr<int64_t>()[2];
+  if (total > cap || total + nties < k) return false;
   at::Tensor idx = at::empty({2, k}, i64.dtype(at::kInt));
   auto* pidx = reinterpret_cast<uint32_t*>(idx[0].data_ptr<int32_t>());
   auto* pidx_sorted = reinterpret_cast<uint32_t*>(idx[1].data_ptr<int32_t>());
   const unsigned int grid = grid_for(k, kBlock);
-  low_words_kernel<<<grid, kBlock, 0, st>>>(psorted, k, pidx);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (total >= k) {  // the k-th key is below the threshold: the first k candidates
+    at::Tensor sorted = at::empty({total}, i64);
+    auto* psorted = reinterpret_cast<uint64_t*>(sorted.data_ptr<int64_t>());
+    sort_keys<uint64_t>(pcand, psorted, total, 64, dev);
+    low_words_kernel<<<grid, kBlock, 0, st>>>(psorted, k, pidx);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {  // the threshold is the k-th key: every candidate and the first k - total ties
+    if (total > 0) {
+      low_words_kernel<<<grid_for(total, kBlock), kBlock, 0, st>>>(pcand, total, pidx);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int64_t* cnt = misc.data_ptr<int64_t>() + 3;
+    at::Tensor pre = at::empty({ntiles}, i64);
+    exclusive_sum(cnt, pre.data_ptr<int64_t>(), ntiles, dev);
+    topk_tie_emit_kernel<T><<<grid_for(ntiles, 1), kBlock, 0, st>>>(
+        w, g, n, mode, thr, ntiles, cnt, pre.data_ptr<int64_t>(), k - total, pidx + total);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   sort_keys<uint32_t>(pidx, pidx_sorted, k, bits_for(n), dev);
   topk_write_kernel<T><<<grid, kBlock, 0, st>>>(pidx_sorted, k, lo, g, out_idx, out_val);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
