@@ -280,7 +280,7 @@ def _bad(rank, world_size, kw):
 ])
 def test_bad_argument_on_one_rank_raises_everywhere(kw, msg):
     with pytest.raises(WorkerError, match=msg):
-        run_workers(_bad, 2, kw, timeout=60)
+        run_workers(_bad, 2, kw, timeout=180)
 
 
 def _foreign_inner(rank, world_size):
@@ -290,7 +290,7 @@ def _foreign_inner(rank, world_size):
 
 def test_inner_over_other_parameters_refused():
     with pytest.raises(WorkerError, match="inner must optimize exactly"):
-        run_workers(_foreign_inner, 2, timeout=60)
+        run_workers(_foreign_inner, 2, timeout=180)
 
 
 def _mismatch(rank, world_size):
@@ -300,7 +300,7 @@ def _mismatch(rank, world_size):
 
 def test_different_hyperparameters_across_ranks_refused():
     with pytest.raises(WorkerError, match="different hyperparameters"):
-        run_workers(_mismatch, 2, timeout=60)
+        run_workers(_mismatch, 2, timeout=180)
 
 
 # ---------------------------------------------------------------------------
