@@ -175,6 +175,9 @@ class SlimDPState(SlimDPCompressor):
     _KEEP_ALL_ZERO = True          # DDP discards the result of a parameter no rank used
     _VOID_NONFINITE_STEP = True    # a GradScaler skips the whole step
     _MIN_WARMUP = 2
+    # The hook sends float values (value_dtype); low-bit codes are SlimDPOptimizer's.
+    _HYPERPARAMETERS = tuple(h for h in SlimDPCompressor._HYPERPARAMETERS
+                             if h not in ("value_bits", "quant_chunk"))
     _WARMUP_WHY = " (DDP rebuilds buckets after the first iteration)"
 
     def __init__(
