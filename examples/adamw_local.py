@@ -11,7 +11,7 @@ repository's own README and Python sources (so it needs no download), each
 rank on its own windows of the text, for ``--steps`` steps (about 20 s on 2
 CPU cores). Every 3 local AdamW steps the pseudo-gradients (outer parameters
 minus local parameters) are sent as 2-bit codes with error feedback and
-averaged, and an outer SGD step (lr 2) updates the outer parameters, which
+averaged, and an outer SGD step (lr 1) updates the outer parameters, which
 every rank then loads: about 2% of DDP's bytes per step. It prints the
 validation loss of the outer model and the communication statistics, and
 saves one checkpoint per rank (the optimizer state holds this rank's
@@ -84,7 +84,7 @@ def main():
     model = GPT(vocab_size=vocab, block_size=block, n_layer=2, n_embd=64, n_head=2).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)
     opt = SlimDPOptimizer(model, inner, sync_every=args.sync_every, compression="dense",
-                          value_bits=2, outer_lr=2.0)
+                          value_bits=2, outer_lr=1.0)
     if rank == 0:
         print(f"{world} ranks on {device.type}, {sum(q.numel() for q in model.parameters()):,} "
               f"parameters, {len(train):,} training characters", flush=True)
