@@ -50,7 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist")
+METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist", "diloco", "sparseloco", "slimdp-local")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
@@ -303,6 +303,110 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
     return "\n".join(parts) + "\n"
 
 
+def _is_lm(results) -> bool:
+    any_r = next(iter(next(iter(results.values())).values()))[0]
+    return any_r.get("metric", {}).get("name") == "val_loss"
+
+
+def _loss_target(by_method: Dict[str, List[Dict]]) -> Optional[float]:
+    """DDP's median final validation loss (the time-to-target target), else --target-loss."""
+    if "ddp" in by_method:
+        return _median([r["final"]["val_loss"] for r in by_method["ddp"]])
+    return next(iter(by_method.values()))[0]["config"].get("target_loss")
+
+
+def _time_to_loss(run: Dict, target: Optional[float]) -> Optional[float]:
+    """Training time of the first evaluation with validation loss <= target (None if never)."""
+    if target is None:
+        return None
+    for e in run["evals"]:
+        if e["val_loss"] <= target + 1e-12:
+            return e["train_time_s"]
+    return None
+
+
+def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, float], header: str) -> str:
+    """Markdown tables for the GPT workload: time to ddp's final validation loss (read from the
+    evaluations every --eval-every steps), validation loss after equal steps, bytes per step."""
+    from tabulate import tabulate
+
+    parts = [header]
+    for rate, by_method in results.items():
+        target = _loss_target(by_method)
+        parts.append(f"\n### {rate} per link (measured {measured[rate]:.0f} Mbit/s TCP)\n")
+        dense = next(iter(by_method.values()))[0]["dense_bytes_per_step"]
+        times = {m: [_time_to_loss(r, target) for r in runs] for m, runs in by_method.items()}
+        def med_t(ts):
+            return None if any(t is None for t in ts) else _median(ts)
+        base = med_t(times["ddp"]) if "ddp" in times else None
+        ddp_loss = _median([r["final"]["val_loss"] for r in by_method["ddp"]]) if "ddp" in by_method else None
+        rows = []
+        for m, runs in by_method.items():
+            t = med_t(times[m])
+            loss = _median([r["final"]["val_loss"] for r in runs])
+            mb = _median([r["final"]["bytes_sent_per_rank"] / max(1, r["steps"]) for r in runs])
+            rows.append([
+                m,
+                f"{t:.1f}" if t is not None else "not reached",
+                ", ".join("never" if x is None else f"{x:.1f}" for x in times[m]),
+                f"{base / t:.2f}x" if base and t else "-",
+                f"{loss:.4f}",
+                f"{loss / ddp_loss:.3f}" if ddp_loss else "-",
+                f"{mb / 1e6:.3f}",
+                f"{100 * mb / dense:.2f}%",
+                f"{_median([1000 * r['final']['train_time_s'] / max(1, r['steps']) for r in runs]):.0f}",
+                " ".join(runs[0].get("method_flags", [])) or "-",
+            ])
+        steps = next(iter(by_method.values()))[0]["steps"]
+        headers = ["method", f"time to ddp's final val loss {target:.4f} (s)" if target else "time to target (s)",
+                   "per seed (s)", "speed-up vs ddp", f"val loss after {steps} steps", "vs ddp",
+                   "MB/rank/step", "% of ddp bytes", "ms/step", "method flags"]
+        parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    return "\n".join(parts) + "\n"
+
+
+def plot_lm(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
+    """Validation loss vs training time (one panel per rate) and vs total MB sent per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(1, n + 1, figsize=(5.5 * (n + 1), 4.2), squeeze=False)
+    for ax, (rate, by_method) in zip(axes[0], results.items()):
+        target = _loss_target(by_method)
+        for i, (m, runs) in enumerate(by_method.items()):
+            for j, r in enumerate(runs):
+                ev = r["evals"]
+                ax.plot([e["train_time_s"] for e in ev], [e["val_loss"] for e in ev], lw=1.2,
+                        color=f"C{i % 10}", alpha=0.85, label=m if j == 0 else None)
+        if target is not None:
+            ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"ddp final {target:.3f}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training wall time (s, log)")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_title(f"GPT, {rate} per link")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[0][n]
+    by_method = next(iter(results.values()))
+    for i, (m, runs) in enumerate(by_method.items()):
+        for j, r in enumerate(runs):
+            ev = [e for e in r["evals"] if e["bytes_sent_per_rank"] > 0]
+            ax.plot([e["bytes_sent_per_rank"] / 1e6 for e in ev], [e["val_loss"] for e in ev], lw=1.2,
+                    color=f"C{i % 10}", alpha=0.85, label=m if j == 0 else None)
+    ax.set_xscale("log")
+    ax.set_xlabel("total MB sent per rank (log)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("validation loss vs bytes sent")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
 def plot(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
     import matplotlib
 
@@ -458,9 +562,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             json.dump(r, f, indent=1)
                         results[rate][m].append(r)
                         t = r.get("time_to_target")
-                        print(f"[netbench] {rate} {m}{suffix}: acc {r['final']['test_acc']:.4f}, "
-                              f"time to {r['config']['target_acc']:g}: "
-                              f"{'%.1f s' % t['train_time_s'] if t else 'not reached'}, "
+                        score = (f"val loss {r['final']['val_loss']:.4f}" if "val_loss" in r["final"] else
+                                 f"acc {r['final']['test_acc']:.4f}, time to {r['config']['target_acc']:g}: "
+                                 f"{'%.1f s' % t['train_time_s'] if t else 'not reached'}")
+                        print(f"[netbench] {rate} {m}{suffix}: {score}, "
                               f"{r['final']['bytes_sent_per_rank'] / 1e6:.1f} MB/rank, "
                               f"job {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
@@ -469,6 +574,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"[netbench] WARNING: namespaces left behind: {left}", file=sys.stderr)
     any_r = next(iter(next(iter(results.values())).values()))[0]
     cfg = any_r["config"]
+    if _is_lm(results):
+        return _finish_lm(results, measured, a, argv, train_args, threads, seeds, name)
     optim = "; ".join(
         f"{m} lr {runs[0]['config']['lr']:g} momentum {runs[0]['config']['momentum']:g}"
         + (f" wire {runs[0]['config']['value_dtype']}, warm-up {runs[0]['config']['warmup_steps']}"
@@ -496,6 +603,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(md_path, "w") as f:
         f.write(md)
     plot(results, png_path)
+    print(md)
+    print(f"[netbench] wrote {md_path} and {png_path}")
+    return 0
+
+
+def _finish_lm(results, measured, a, argv, train_args, threads, seeds, name) -> int:
+    any_r = next(iter(next(iter(results.values())).values()))[0]
+    cfg = any_r["config"]
+    flags = "; ".join(f"{m}: " + ", ".join(f"{k} {runs[0]['config'][k]}" for k in (
+        "sync_every", "outer_lr", "outer_momentum", "value_bits", "error_decay", "core_ratio", "explore_ratio")
+        if runs[0]["config"].get(k) is not None) for m, runs in next(iter(results.values())).items()
+        if m.split("@")[0] in ("diloco", "sparseloco", "slimdp-local", "slimdp", "topk"))
+    header = (
+        f"## slimcomm netbench (GPT): {a.world_size} ranks, one network namespace each, tbf-limited veth links\n\n"
+        f"GPT {cfg['n_layer']} layers, {cfg['n_embd']}-dim, {cfg['n_head']} heads, block {cfg['block_size']} "
+        f"({any_r['model']['num_params']:,} parameters), {cfg['tokens']}-level text ({cfg.get('text_file') or 'fortunes'}), "
+        f"batch {cfg['batch_size']} sequences per rank, {any_r['steps']} steps, AdamW lr {cfg['lr']:g} "
+        f"(warm-up {cfg['warmup_lr_steps']}, cosine to {cfg['min_lr']:g}), betas ({cfg['beta1']}, {cfg['beta2']}), "
+        f"weight decay {cfg['weight_decay']}, clip {cfg['grad_clip']}; validation loss every {cfg['eval_every']} steps "
+        f"on {cfg['val_batches']} fixed batches (local-step methods: the outer parameters); "
+        f"{threads} thread(s) per rank; "
+        f"{'seeds ' + ', '.join(map(str, seeds)) + ' (medians)' if seeds[0] is not None else 'seed %d' % cfg['seed']}.\n"
+        f"Method settings: {flags}.\n"
+        f"Time = training wall time (evaluation excluded); time to target = the first evaluation at or below "
+        f"ddp's (median) final validation loss. MB = {any_r['bytes_definition']}.\n"
+        f"Command: `bench/netbench.py {' '.join(argv)} -- {' '.join(train_args)}`\n")
+    md = markdown_lm(results, measured, header)
+    md_path = os.path.join(a.out_dir, f"{name}.md")
+    png_path = os.path.join(a.out_dir, f"{name}.png")
+    with open(md_path, "w") as f:
+        f.write(md)
+    plot_lm(results, png_path)
     print(md)
     print(f"[netbench] wrote {md_path} and {png_path}")
     return 0

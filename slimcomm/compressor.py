@@ -66,6 +66,7 @@ import torch.distributed as dist
 
 from . import ops
 from .agreement import agree_across_ranks, max_min_across_ranks
+from .codec import BITS, ChunkPlan, dequantize, pack_codes, quantize, unpack_codes
 
 __all__ = ["SlimDPCompressor", "selection_sizes", "explore_rng_offset"]
 
@@ -169,7 +170,7 @@ class _Layout:
     __slots__ = (
         "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
-        "core", "topk_ks", "has_dense", "names", "zeros", "pending", "label",
+        "core", "topk_ks", "has_dense", "names", "zeros", "pending", "label", "plan",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -205,6 +206,7 @@ class _Layout:
         # older layout) while others must be computed: list of tensor-or-None.
         self.pending: Optional[List[Optional[torch.Tensor]]] = None
         self.label = ""  # names the group in errors, e.g. "bucket 3"
+        self.plan = None  # codec.ChunkPlan of the packed values (value_bits only)
 
     def seg(self, s):
         return self.offsets[s], self.offsets[s + 1]
@@ -259,7 +261,7 @@ class SlimDPCompressor:
     _WARMUP_WHY = ""
     _HYPERPARAMETERS = ("core_ratio", "explore_ratio", "core_refresh", "warmup_steps", "score",
                         "index_mode", "error_feedback", "error_decay", "value_dtype", "seed",
-                        "check_agreement_every")
+                        "check_agreement_every", "value_bits", "quant_chunk")
 
     __slots__ = [
         # hyperparameters (read through the _Frozen descriptors below)
@@ -275,6 +277,8 @@ class SlimDPCompressor:
         "_hp_value_dtype",
         "_hp_seed",
         "_hp_check_agreement_every",
+        "_hp_value_bits",
+        "_hp_quant_chunk",
         # internal state
         "step",
         "_positions",   # id(param) -> position in model.parameters()
@@ -306,6 +310,8 @@ class SlimDPCompressor:
     value_dtype = _Frozen()
     seed = _Frozen()
     check_agreement_every = _Frozen()
+    value_bits = _Frozen()
+    quant_chunk = _Frozen()
 
     # Adapter policies (see SlimDPState): a parameter whose values are exactly zero on
     # every rank keeps its residual and G (DDP discards the result of a parameter no rank
@@ -328,6 +334,8 @@ class SlimDPCompressor:
         value_dtype: Optional[torch.dtype] = None,
         seed: int = 0,
         check_agreement_every: int = 100,
+        value_bits: Optional[int] = None,
+        quant_chunk: int = 4096,
     ):
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, "
@@ -348,6 +356,13 @@ class SlimDPCompressor:
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool (True or False), got "
                              f"{error_feedback!r}")
+        if value_bits is not None and (not _is_int(value_bits) or value_bits not in BITS):
+            raise ValueError(f"value_bits must be None or one of {BITS}, got {value_bits!r}")
+        if value_bits is not None and index_mode != "shared":
+            raise ValueError("value_bits needs index_mode='shared' (codes are all-gathered "
+                             "at the shared index set)")
+        if not _is_int(quant_chunk) or quant_chunk < 1:
+            raise ValueError(f"quant_chunk must be an int >= 1, got {quant_chunk!r}")
         if not isinstance(score, str) or score not in ops.SCORES:
             raise ValueError(f"score must be one of {ops.SCORES}, got {score!r}")
         if not isinstance(index_mode, str) or index_mode not in ("shared", "local"):
@@ -375,6 +390,8 @@ class SlimDPCompressor:
         self._hp_value_dtype = value_dtype
         self._hp_seed = seed
         self._hp_check_agreement_every = check_agreement_every
+        self._hp_value_bits = value_bits
+        self._hp_quant_chunk = quant_chunk
         self.step = 0
         self._positions: Dict[int, int] = {}
         self._names: List[str] = []
@@ -533,7 +550,8 @@ class SlimDPCompressor:
     def _hyperparameters(self) -> Tuple:
         return (self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
                 self.score, self.index_mode, self.error_feedback, self.error_decay,
-                str(self.value_dtype), self.seed, self.check_agreement_every)
+                str(self.value_dtype), self.seed, self.check_agreement_every, self.value_bits,
+                self.quant_chunk)
 
     def _verify_layout_across_ranks(self, layout: Optional[_Layout], label: str,
                                     device: torch.device,
@@ -635,6 +653,8 @@ class SlimDPCompressor:
         step = self.step
         if step < self.warmup_steps:
             return _dense(self, layout, buf, world_size, warmup_dtype or buf.dtype)
+        if self.value_bits is not None:
+            return _quantised(self, layout, buf, world_size, step, weight)
         if layout.all_dense:
             return _dense(self, layout, buf, world_size, self.value_dtype or buf.dtype)
         if self.index_mode == "shared":
@@ -1359,3 +1379,65 @@ def _check_agreement(state, layout, idx) -> None:
             f"arguments, or edited by hand). Restart from a checkpoint in which every rank "
             f"saved its own state."
         )
+
+
+def _quantised(state, layout, buf, world_size, step, weight):
+    """Low-bit values (:mod:`slimcomm.codec`) at the shared index set, all-gathered.
+
+    Codes cannot be summed by an all-reduce, so every rank all-gathers every
+    rank's payload ``[flags fp32 [S] | scales bf16 | codes packed]`` (one
+    uint8 collective) and decodes and averages them in rank order: the same
+    arithmetic on the same bytes, so the average is bit-identical on every
+    rank. The residual keeps ``acc - decoded`` at the sent coordinates (the
+    rounding error), i.e. error feedback of the quantisation too. A group of
+    dense tensors sends every coordinate (no selection).
+    """
+    if layout.all_dense:
+        if layout.core is None:
+            layout.core = torch.arange(layout.numel, device=layout.device)
+        idx, n_explore = layout.core, 0
+    else:
+        since = step - state.warmup_steps
+        if since % state.core_refresh == 0 or layout.core is None:
+            state._refresh_core(layout, since % state.core_refresh == 0, weight)
+        idx, n_explore = _select_explore(state, layout, layout.core, step)
+        idx = torch.sort(idx).values  # segment-contiguous, so the chunk plan is fixed
+    if layout.plan is None:
+        layout.plan = ChunkPlan([k + m for k, m in zip(layout.ks, layout.ms)],
+                                state.quant_chunk, layout.device)
+    bits, plan = state.value_bits, layout.plan
+    scale = state._loss_scale(layout)
+    acc = _accumulate(state, layout, buf, scale)
+    flags = _segment_flags(layout, buf)
+    vals = ops.pack(acc, idx)
+    codes, scales = quantize(vals, plan, bits)
+    own = dequantize(codes, scales, plan, bits)
+    packed = pack_codes(codes, bits)
+    nsc = plan.nchunks + plan.nchunks % 2  # keep the codes 4-byte aligned
+    S = flags.numel()
+    parts = [flags.view(torch.uint8), scales.view(torch.uint8),
+             torch.zeros(2 * (nsc - plan.nchunks), dtype=torch.uint8, device=acc.device),
+             packed, torch.zeros((-packed.numel()) % 4, dtype=torch.uint8, device=acc.device)]
+    wire = torch.cat(parts)
+    P = wire.numel()
+    k = idx.numel()
+    state._count(layout.numel * buf.element_size(), P, layout.numel, k, k - n_explore, n_explore)
+    if layout.residual is not None:
+        ops.unpack(acc, idx, vals.sub_(own))  # what was not delivered stays in the residual
+        if scale is not None:
+            acc.div_(scale)
+    gathered = torch.empty(world_size * P, dtype=torch.uint8, device=acc.device)
+    fut = _ALL_GATHER(gathered, wire, group=state.group, async_op=True).get_future()
+
+    def done(_):
+        rows = gathered.view(world_size, P)
+        all_flags = rows[:, :4 * S].view(torch.float32).sum(0)
+        all_scales = rows[:, 4 * S:4 * S + 2 * plan.nchunks].view(torch.bfloat16)
+        all_codes = unpack_codes(rows[:, 4 * S + 2 * nsc:], k, bits)
+        avg = dequantize(all_codes, all_scales, plan, bits).sum(0).div_(world_size)
+        buf.zero_()
+        ops.unpack(buf, idx, avg if buf.dtype == torch.float32 else avg.to(buf.dtype))
+        _commit(state, layout, buf, acc, idx, avg, all_flags, step, scale)
+        return buf
+
+    return fut.then(done)

@@ -44,6 +44,7 @@ With a ``GradScaler``: ``scaler.step(opt.inner); scaler.update(); opt.advance()`
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Any, Dict, List, Optional
 
@@ -113,6 +114,10 @@ class SlimDPOptimizer:
         score: ``"product"`` (``|outer| * |G|``), ``"grad"`` (``|G|``) or
             ``"weight"``.
         value_dtype: wire dtype of the values (default bf16).
+        value_bits: ``None`` (values in ``value_dtype``, all-reduced) or 1, 2,
+            4, 8: per-chunk scaled low-bit codes (:mod:`slimcomm.codec`),
+            all-gathered, with the rounding error kept by error feedback.
+        quant_chunk: values per quantisation chunk (one bf16 scale each).
         outer_lr: outer learning rate (1.0 = apply the averaged update).
         outer_momentum: outer SGD momentum in ``[0, 1)`` (DiLoCo: 0.9).
         nesterov: Nesterov outer momentum (DiLoCo: True).
@@ -150,9 +155,11 @@ class SlimDPOptimizer:
         core_ratio: float = 0.05,
         explore_ratio: float = 0.05,
         core_refresh: int = 1,
-        warmup_syncs: int = 1,
+        warmup_syncs: int = 0,
         score: str = "product",
         value_dtype: Optional[torch.dtype] = torch.bfloat16,
+        value_bits: Optional[int] = None,
+        quant_chunk: int = 4096,
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
         nesterov: bool = False,
@@ -188,7 +195,8 @@ class SlimDPOptimizer:
                 index_mode="local" if compression == "local" else "shared",
                 error_feedback=error_feedback and not dense, error_decay=error_decay,
                 value_dtype=value_dtype, seed=seed,
-                check_agreement_every=check_agreement_every)
+                check_agreement_every=check_agreement_every, value_bits=value_bits,
+                quant_chunk=quant_chunk)
             self.inner = inner
             self.sync_every = sync_every
             self.outer_lr = float(outer_lr)
@@ -355,6 +363,23 @@ class SlimDPOptimizer:
             torch._foreach_copy_(g.params, g.outer_views)
         self.syncs += 1
         self._synced_at = self.local_step
+
+    @contextlib.contextmanager
+    def outer_weights(self):
+        """Context manager: the model holds the outer (global) parameters inside it,
+        identical on every rank, and its local parameters again afterwards. For
+        evaluating the global model between synchronisations (DiLoCo's
+        evaluation); no communication."""
+        with torch.no_grad():
+            for g in self._groups:
+                torch._foreach_copy_(g.scratch_views, g.params)
+                torch._foreach_copy_(g.params, g.outer_views)
+        try:
+            yield self._module
+        finally:
+            with torch.no_grad():
+                for g in self._groups:
+                    torch._foreach_copy_(g.params, g.scratch_views)
 
     # ---------------------------------------------------------------- stats
     @property

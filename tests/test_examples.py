@@ -42,13 +42,14 @@ def _accuracy(out):
     return float(m.group(1))
 
 
-@pytest.mark.parametrize("script", ["ddp_hook.py", "ist.py"])
+@pytest.mark.parametrize("script", ["ddp_hook.py", "ist.py", "adamw_local.py"])
 def test_every_example_has_a_launch_line(script):
     with open(os.path.join(EXAMPLES, script)) as f:
         src = f.read()
     doc = src.split('"""')[1]
     assert f"torchrun --nproc-per-node 2 examples/{script}" in doc
     assert "slimcomm.hooks" not in src and "slimcomm.ist" not in src   # public top-level API only
+    assert "slimcomm.optim" not in src
 
 
 def test_ddp_hook_example_trains_saves_and_resumes(tmp_path):
@@ -73,3 +74,14 @@ def test_ist_example_trains_and_saves(tmp_path):
     assert m and float(m.group(1)) < float(m.group(2)) / 4, out
     assert _accuracy(out) > 0.5
     assert (tmp_path / "runs" / "examples" / "ist.pt").is_file()
+
+
+def test_adamw_local_example_trains_with_few_bytes(tmp_path):
+    out = _launch("adamw_local.py", "--steps", "60", cwd=tmp_path)
+    m = re.search(r"slimdp-local: 60 local steps, 20 syncs, sent ([\d.]+) MB per rank vs ([\d.]+) MB", out)
+    assert m, out
+    assert float(m.group(1)) < 0.03 * float(m.group(2))
+    first = float(re.search(r"^step +60  train loss [\d.]+  val loss ([\d.]+)", out, re.M).group(1))
+    assert first < 4.0   # log(vocab ~ 100) = 4.6 at initialisation
+    ckpts = sorted(p.name for p in (tmp_path / "runs" / "examples" / "adamw_local").iterdir())
+    assert ckpts == ["rank0.pt", "rank1.pt"]

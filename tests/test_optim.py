@@ -301,3 +301,26 @@ def _mismatch(rank, world_size):
 def test_different_hyperparameters_across_ranks_refused():
     with pytest.raises(WorkerError, match="different hyperparameters"):
         run_workers(_mismatch, 2, timeout=60)
+
+
+# ---------------------------------------------------------------------------
+# Low-bit values
+# ---------------------------------------------------------------------------
+
+def _quant_case(rank, world_size, mode, bits):
+    cfg = dict(CFG, compression=mode, value_bits=bits, quant_chunk=64, outer_lr=2.0)
+    model, opt = train(rank, 9, cfg)
+    return params_of(model), opt.stats
+
+
+@pytest.mark.parametrize("mode,bits,world_size", [("dense", 2, 2), ("dense", 1, 3),
+                                                  ("shared", 4, 2)])
+def test_low_bit_values_replicas_identical_and_bytes(mode, bits, world_size):
+    res = run_workers(_quant_case, world_size, mode, bits)
+    for r in range(1, world_size):
+        for a, b in zip(res[0][0], res[r][0]):
+            assert torch.equal(a, b)
+            assert torch.isfinite(a).all()
+    st = res[0][1]["total"]
+    # codes + bf16 scales per 64 values + 4-byte flags, against fp32 dense
+    assert st["bytes_sent"] < st["bytes_dense"] * (bits / 32 + 2 / 64 / 4 + 0.02)

@@ -1,12 +1,16 @@
 """End-to-end tests of the training command (python -m slimcomm.train) at 2 ranks on gloo."""
 
+import argparse
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from slimcomm import train as T
 
@@ -244,3 +248,270 @@ def test_method_defaults(method, lr, momentum):
     explicit = T.apply_method_defaults(T.build_parser().parse_args(["--method", method, "--lr", "0.3",
                                                                     "--momentum", "0.5"]))
     assert (explicit.lr, explicit.momentum) == (0.3, 0.5)
+
+
+# ---------------------------------------------------------------------------
+# --model gpt / cnn, optimizers, schedules, refusals
+# ---------------------------------------------------------------------------
+
+LM_METHODS = [m for m in METHODS if m != "ist"]  # IST partitions MLP neurons only
+GPT_TINY = ["--model", "gpt", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+            "--batch-size", "4", "--steps", "8", "--eval-every", "4", "--val-batches", "2",
+            "--no-progress", "--threads", "1", "--timeout", "60"]
+CNN_TINY = ["--model", "cnn", "--dataset", "digits", "--steps", "30", "--batch-size", "16", "--eval-every", "15",
+            "--no-progress", "--threads", "1", "--timeout", "60"]
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory):
+    p = tmp_path_factory.mktemp("text") / "story.txt"
+    p.write_text("The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n" * 60)
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory, small_text):
+    out = tmp_path_factory.mktemp("gpt")
+    r = subprocess.run(_cmd("--compare", ",".join(LM_METHODS), "--world-size", "2", "--text-file", small_text,
+                            "--out-dir", str(out), "--plot", str(out / "loss.png"), *GPT_TINY),
+                       env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    return r, out
+
+
+@pytest.fixture(scope="module")
+def cnn_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cnn")
+    r = subprocess.run(_cmd("--compare", ",".join(LM_METHODS), "--world-size", "2", "--out-dir", str(out),
+                            *CNN_TINY),
+                       env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    return r, out
+
+
+def test_gpt_compare_every_method(gpt_run, small_text):
+    r, out = gpt_run
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    assert rows[0].split("|")[2].strip() == "val loss"
+    assert [ln.split("|")[1].strip() for ln in rows[1:]] == LM_METHODS
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    text = open(small_text).read()
+    vocab = "".join(sorted(set(text)))
+    d, v, t = 16, len(vocab), 16
+    nparams = v * d + t * d + (12 * d * d + 13 * d) + 2 * d + d * v
+    for method in LM_METHODS:
+        res = json.loads((out / f"{method}.json").read_text())
+        assert res["method"] == method and res["metric"] == {"name": "val_loss", "goal": "min", "unit": "nats/token"}
+        assert res["model"] == {"name": "gpt", "n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16,
+                                "vocab_size": v, "dropout": 0.0, "num_params": nparams}
+        assert res["dataset"]["vocab"] == vocab and res["dataset"]["tokens"] == "char"
+        assert res["dataset"]["train_tokens"] + res["dataset"]["val_tokens"] == len(text)
+        assert res["steps"] == res["planned_steps"] == 8 and res["steps_per_epoch"] is None and res["epochs"] == []
+        assert [e["step"] for e in res["evals"]] == [4, 8]
+        assert all(math.isfinite(e["val_loss"]) for e in res["evals"])
+        assert res["final"]["val_loss"] == res["evals"][-1]["val_loss"] < math.log(v)
+        # the defaults of the gpt workload: AdamW, warm-up (capped at --steps) + cosine, clip 1.0
+        c = res["config"]
+        assert (c["optimizer"], c["lr"], c["beta1"], c["beta2"], c["weight_decay"], c["grad_clip"]) == \
+            ("adamw", 1e-3, 0.9, 0.99, 0.1, 1.0)
+        assert (c["lr_schedule"], c["warmup_lr_steps"], c["min_lr"], c["momentum"]) == ("cosine", 8, 1e-4, None)
+        dense = 4 * nparams * 8
+        sent = res["final"]["bytes_sent_per_rank"]
+        assert res["final"]["dense_bytes_per_rank"] == dense
+        if method == "ddp":
+            assert sent == dense
+        elif method == "fp16":
+            assert sent == dense // 2
+        else:
+            assert 0 < sent < dense, method
+    ddp = json.loads((out / "ddp.json").read_text())
+    fp16 = json.loads((out / "fp16.json").read_text())
+    assert abs(ddp["final"]["val_loss"] - fp16["final"]["val_loss"]) < 0.05
+
+
+def test_cnn_compare_every_method(cnn_run):
+    r, out = cnn_run
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for method in LM_METHODS:
+        res = json.loads((out / f"{method}.json").read_text())
+        assert res["model"]["name"] == "cnn" and res["model"]["image_size"] == 8
+        assert res["metric"]["name"] == "test_acc" and res["steps"] == 30
+        steps_per_epoch = res["steps_per_epoch"]
+        assert steps_per_epoch > 30 and res["completed_epochs"] == 1  # --steps stops inside the first epoch
+        assert res["epochs"][0]["epoch"] == round(30 / steps_per_epoch, 4)
+        assert [e["step"] for e in res["evals"]] == [15, 30]
+        assert res["final"]["test_acc"] > 0.2, f"{method}: accuracy {res['final']['test_acc']} near chance"
+        assert res["config"]["optimizer"] == "sgd" and res["config"]["lr_schedule"] == "constant"
+
+
+def test_steps_overrides_epochs_for_mlp(tmp_path):
+    """--steps with the MLP runs exactly that many steps across epoch boundaries (digits: 46 steps/epoch)."""
+    p = tmp_path / "ddp.json"
+    i = TINY.index("--epochs")
+    args = TINY[:i] + TINY[i + 2:]
+    r = subprocess.run(_cmd("--method", "ddp", "--steps", "50", "--out", str(p), *args),
+                       env=_env(), capture_output=True, text=True, timeout=200, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(p.read_text())
+    per = res["steps_per_epoch"]
+    assert res["steps"] == 50 and per < 50 and res["completed_epochs"] == 2
+    assert res["epochs"][0]["epoch"] == 1 and res["epochs"][1]["epoch"] == round(1 + (50 - per) / per, 4)
+
+
+def _no_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--weight-decay", "nan"], "--weight-decay"),
+    (["--weight-decay", "-1"], "--weight-decay"),
+    (["--grad-clip", "inf"], "--grad-clip"),
+    (["--dropout", "1"], "--dropout"),
+    (["--beta2", "1.5", "--optimizer", "adamw"], "--beta2"),
+    (["--momentum", "nan"], "--momentum"),
+    (["--target-loss", "0"], "--target-loss"),
+    (["--model", "gpt", "--method", "ist"], "--method ist needs --model mlp"),
+    (["--model", "cnn", "--method", "ist"], "--method ist needs --model mlp"),
+    (["--model", "gpt", "--compare", "ddp,ist"], "--method ist needs --model mlp"),
+    (["--model", "gpt", "--n-embd", "30", "--n-head", "4"], "--n-embd 30"),
+    (["--model", "gpt", "--hidden", "8"], "--hidden"),
+    (["--model", "gpt", "--epochs", "2"], "--epochs"),
+    (["--model", "gpt", "--target-acc", "0.5"], "--target-acc"),
+    (["--model", "gpt", "--momentum", "0.9"], "--momentum"),
+    (["--model", "gpt", "--steps", "10", "--warmup-lr-steps", "11"], "--warmup-lr-steps 11"),
+    (["--model", "gpt", "--min-lr", "0.1"], "--min-lr"),
+    (["--model", "gpt", "--lr-schedule", "constant", "--min-lr", "1e-5"], "--min-lr"),
+    (["--model", "cnn", "--hidden", "8"], "--hidden"),
+    (["--model", "mlp", "--text-file", "x.txt"], "--text-file"),
+    (["--model", "cnn", "--n-layer", "2"], "--n-layer"),
+    (["--model", "mlp", "--target-loss", "1.5"], "--target-loss"),
+    (["--beta1", "0.9"], "--beta1"),
+    (["--steps", "10", "--epochs", "1"], "--steps"),
+    (["--method", "ist", "--grad-clip", "1"], "--grad-clip"),
+])
+def test_bad_option_combinations(argv, needle, monkeypatch, capsys):
+    _no_env(monkeypatch)
+    with pytest.raises(SystemExit) as ei:
+        T.main(argv)
+    assert ei.value.code != 0
+    err = capsys.readouterr().err + str(ei.value.code)
+    assert needle in err, err
+
+
+def test_out_directory_refused_before_training(tmp_path, monkeypatch, capsys):
+    _no_env(monkeypatch)
+    monkeypatch.setattr(T, "run", lambda args: pytest.fail("training started"))
+    with pytest.raises(SystemExit) as ei:
+        T.main(["--method", "ddp", "--dataset", "digits", "--out", str(tmp_path)])
+    assert "is a directory" in str(ei.value.code) and str(tmp_path) in str(ei.value.code)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_results_json_written_through_unique_temp_files(tmp_path, monkeypatch):
+    """Two writers of the same --out use different temporary files in its folder; none is left behind."""
+    out = tmp_path / "sub" / "r.json"
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(T.os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b)))
+    T._write_json_atomic({"run": 1}, str(out))
+    T._write_json_atomic({"run": 2}, str(out))
+    (a, _), (b, _) = renames
+    assert a != b and os.path.dirname(a) == os.path.dirname(b) == str(out.parent)
+    assert a != str(out) + ".tmp"
+    assert json.loads(out.read_text()) == {"run": 2}
+    assert [p.name for p in out.parent.iterdir()] == ["r.json"]
+
+
+def test_gpt_and_mlp_defaults():
+    g = T.apply_method_defaults(T.build_parser().parse_args(["--model", "gpt", "--method", "slimdp"]))
+    assert (g.optimizer, g.lr, g.beta1, g.beta2, g.weight_decay, g.grad_clip) == ("adamw", 1e-3, 0.9, 0.99, 0.1, 1.0)
+    assert (g.lr_schedule, g.warmup_lr_steps, g.min_lr, g.steps, g.tokens) == ("cosine", 30, 1e-4, 1000, "char")
+    assert (g.n_layer, g.n_embd, g.n_head, g.block_size, g.batch_size) == tuple(
+        T.GPT_DEFAULTS[k] for k in ("n_layer", "n_embd", "n_head", "block_size", "batch_size"))
+    assert g.momentum is None and g.hidden is None and g.epochs is None and g.dataset is None
+    m = T.apply_method_defaults(T.build_parser().parse_args([]))
+    assert (m.model, m.optimizer, m.lr, m.momentum, m.weight_decay, m.grad_clip) == ("mlp", "sgd", 0.6, 0.0, 0.0, 0.0)
+    assert (m.lr_schedule, m.warmup_lr_steps, m.min_lr, m.epochs, m.steps, m.batch_size, m.hidden) == \
+        ("constant", 0, None, 2, None, 128, (2048, 2048))
+    assert (m.beta1, m.tokens, m.n_layer) == (None, None, None)
+    assert T.apply_method_defaults(argparse.Namespace(**vars(m))) == m  # idempotent
+    c = T.apply_method_defaults(T.build_parser().parse_args(["--model", "cnn", "--method", "topk"]))
+    assert (c.lr, c.momentum, c.hidden) == (0.2, 0.0, None)
+    a = T.apply_method_defaults(T.build_parser().parse_args(["--optimizer", "adamw", "--method", "ddp"]))
+    assert (a.lr, a.momentum, a.weight_decay, a.lr_schedule) == (1e-3, None, 0.1, "constant")
+
+
+def test_lr_factor():
+    f = [T.lr_factor(s, 100, 10, "cosine", 0.1) for s in range(100)]
+    assert f[:10] == [pytest.approx((s + 1) / 10) for s in range(10)]
+    assert f[10] == pytest.approx(1.0) and f[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))  # monotone after the warm-up
+    assert f[10 + 89 // 2] == pytest.approx(0.55, abs=0.02)  # half-way: the mean of 1 and 0.1
+    assert T.lr_factor(150, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert [T.lr_factor(s, 50, 0, "constant", 1.0) for s in (0, 49)] == [1.0, 1.0]
+    assert T.lr_factor(0, 50, 4, "constant", 1.0) == 0.25
+
+
+class _AverageEvery:
+    """A stand-in for an optimizer that owns the synchronisation: local steps, parameter average every H."""
+
+    def __init__(self, model, inner, sync_every):
+        self.params, self.inner, self.sync_every = list(model.parameters()), inner, sync_every
+        self.stats = {"total": {"bytes_sent": 0}}
+        self.calls, self.grad_norms = 0, []
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        self.grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in self.params])))
+        self.inner.step()
+        self.calls += 1
+        if self.calls % self.sync_every == 0:
+            for p in self.params:
+                dist.all_reduce(p.data)
+                p.data /= dist.get_world_size()
+                self.stats["total"]["bytes_sent"] += 4 * p.numel()
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+
+def test_sync_optimizer_place(tmp_path, monkeypatch):
+    """A method registered in SYNC_OPTIMIZER_BUILDERS trains the bare model: no DDP, clip on the local
+    gradient, the optimizer's step() called once per step, bytes read from its stats."""
+    import torch.nn.functional as F
+
+    made = {}
+
+    def build(args, model, inner):
+        inner_params = {id(p) for g in inner.param_groups for p in g["params"]}
+        assert isinstance(inner, torch.optim.AdamW) and inner_params == {id(p) for p in model.parameters()}
+        made["opt"] = _AverageEvery(model, inner, sync_every=3)
+        return made["opt"]
+
+    monkeypatch.setitem(T.SYNC_OPTIMIZER_BUILDERS, "avg-every-3", build)
+    args = T.build_parser().parse_args(["--optimizer", "adamw", "--grad-clip", "0.01", "--warmup-lr-steps", "2",
+                                        "--dataset", "digits"])
+    args.method = "avg-every-3"
+    T.apply_method_defaults(args)
+    args.device = "cpu"
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = T.build_model(5, (7,), 3)
+        m = T._Method(args, model, 1, F.cross_entropy, total_steps=6, classify=True)
+        assert m.ddp is None and m.forward_model is model and m.sync_optimizer
+        x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+        lrs = []
+        for _ in range(6):
+            loss, correct = m.train_step(x, y)
+            lrs.append(m.opt.inner.param_groups[0]["lr"])
+            assert math.isfinite(loss) and 0 <= correct <= 8
+        opt = made["opt"]
+        assert opt.calls == 6 and max(opt.grad_norms) <= 0.01 * (1 + 1e-5)  # clipped before step()
+        assert m.bytes_sent() == 2 * 4 * sum(p.numel() for p in model.parameters())
+        assert m.stats() == {"total": {"bytes_sent": m.bytes_sent()}}
+        assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-3)  # warm-up 2, then constant
+    finally:
+        dist.destroy_process_group()
