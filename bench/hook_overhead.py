@@ -52,7 +52,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from slimcomm import ops  # noqa: E402
+from slimcomm import compressor, ops  # noqa: E402
+from slimcomm._opcount import OpCounter, synchronous_collectives  # noqa: E402
 from slimcomm.hooks import SlimDPState, explore_rng_offset, selection_sizes, slim_dp_hook  # noqa: E402
 
 METHODS = ("dense", "powersgd", "slim_shared", "slim_local")
@@ -118,13 +119,13 @@ class Runner:
             self.state = psgd.PowerSGDState(
                 process_group=None, matrix_approximation_rank=args.powersgd_rank,
                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
-            self.ddp.register_comm_hook(self.state, psgd.powerSGD_hook)
+            self.ddp.register_comm_hook(self.state, self._counted(psgd.powerSGD_hook))
         elif method.startswith("slim"):
             self.state = SlimDPState(
                 core_ratio=args.core_ratio, explore_ratio=args.explore_ratio,
                 core_refresh=args.core_refresh, warmup_steps=2,
                 index_mode="shared" if method == "slim_shared" else "local", model=self.ddp)
-            self.ddp.register_comm_hook(self.state, slim_dp_hook)
+            self.ddp.register_comm_hook(self.state, self._counted(slim_dp_hook))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
         self.data = [(torch.randn(args.batch, args.sizes[0], generator=g),
@@ -132,6 +133,30 @@ class Runner:
                      for _ in range(4)]
         self.i = 0
         self.times, self.sent = [], []
+        self.counter = None  # an OpCounter while count() runs
+        self.ops_step = self.syncs_step = None
+
+    def _counted(self, hook):
+        def wrapped(state, bucket):
+            if self.counter is None:
+                return hook(state, bucket)
+            with self.counter:
+                return hook(state, bucket)
+        return wrapped
+
+    def count(self, steps=3):
+        """Dispatched ops and host syncs (``aten._local_scalar_dense``) per step inside
+        the comm hook (untimed steps, collectives made synchronous so that the futures'
+        callbacks are counted too); None for DDP's built-in all-reduce."""
+        if self.state is None:
+            return
+        self.counter = OpCounter()
+        with synchronous_collectives(compressor):
+            for _ in range(steps):
+                self.step(record=False)
+        self.ops_step = self.counter.total / steps
+        self.syncs_step = self.counter.host_syncs / steps
+        self.counter = None
 
     def step(self, record):
         x, y = self.data[self.i % len(self.data)]
@@ -156,7 +181,8 @@ class Runner:
             bytes_step = statistics.mean(self.sent)
         return dict(method=self.method, median=statistics.median(self.times),
                     mean=statistics.mean(self.times), bytes=bytes_step,
-                    dense_bytes=dense_bytes, numel=self.numel)
+                    dense_bytes=dense_bytes, numel=self.numel, ops=self.ops_step,
+                    syncs=self.syncs_step)
 
 
 def run_all(rank, args, block=5):
@@ -173,6 +199,8 @@ def run_all(rank, args, block=5):
             for _ in range(n):
                 r.step(record=True)
         done += n
+    for r in runners:
+        r.count()
     return [r.result() for r in runners]
 
 
@@ -225,22 +253,23 @@ def breakdown(args):
     vals = torch.randn(K)
     zeros = torch.zeros(K)
 
-    def flags():
-        out = torch.empty(len(numels))
-        for s in range(len(numels)):
-            mn, mx = torch.aminmax(grad[offsets[s]:offsets[s + 1]])
-            out[s] = mn * 0.0 + mx * 0.0
-        return out
+    lengths = torch.tensor(numels)
 
-    def flat_w():
-        out = torch.empty(N)
-        for s, p in enumerate(params):
-            out[offsets[s]:offsets[s + 1]].copy_(p.detach().reshape(-1))
-        return out
+    def flags():  # as compressor._segment_flags: max |x| per segment, m * 0 + (m != 0)
+        m = torch.segment_reduce(grad.abs(), "max", lengths=lengths, initial=0)
+        return m.mul(0.0).add_(m != 0)
+
+    flat = torch.empty(N)
+    views = [flat[offsets[s]:offsets[s + 1]] for s in range(len(params))]
+    srcs = [p.detach().reshape(-1) for p in params]
+
+    def flat_w():  # as compressor._flat_weight: one multi-tensor copy
+        torch._foreach_copy_(views, srcs)
+        return flat
 
     rows = [
         ("acc = residual + grad (torch.add)", _timeit(lambda: torch.add(residual, grad, out=spare)), 1),
-        ("non-finite flags (aminmax per parameter)", _timeit(flags), 1),
+        ("non-finite flags (segment_reduce)", _timeit(flags), 1),
         ("ops.explore_sample_segmented", _timeit(
             lambda: ops.explore_sample_segmented(offsets, core, core_offsets, ms, 0, rng)), 1),
         ("ops.pack + divide + cat flags", _timeit(
@@ -314,10 +343,13 @@ def main(argv=None):
             r["method"], f"{r['median'] * 1e3:.1f}", f"{r['mean'] * 1e3:.1f}",
             f"{r['median'] / dense['median']:.2f}x" if dense else "-",
             f"{r['bytes'] / 1e6:.3f}", f"{100 * r['bytes'] / r['dense_bytes']:.2f}%",
+            "-" if r["ops"] is None else f"{r['ops']:.0f}",
+            "-" if r["syncs"] is None else f"{r['syncs']:.0f}",
         ])
     method_md = tabulate(table, headers=["method", "median step (ms)", "mean step (ms)",
                                          "vs dense (median)", "MB sent/rank/step",
-                                         "% of dense bytes"], tablefmt="github")
+                                         "% of dense bytes", "hook ops/step",
+                                         "host syncs/step"], tablefmt="github")
     bd = [[name, f"{t * 1e3:.3f}", every, f"{t * 1e3 / every:.3f}"] for name, t, every in bd_rows]
     bd.append(["gloo all_reduce, dense gradient", f"{comm['dense'] * 1e3:.3f}", 1,
                f"{comm['dense'] * 1e3:.3f}"])

@@ -55,6 +55,7 @@ explore, all-gathered (index, value) pairs); with ``error_decay < 1`` on
 pseudo-gradients it is SparseLoCo's compressor (arXiv 2508.15706, Sec. 3).
 """
 
+import inspect
 import logging
 import math
 import threading
@@ -171,6 +172,7 @@ class _Layout:
         "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "zeros", "pending", "label", "plan",
+        "_lengths", "_idx_seg", "_wcache",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -207,6 +209,37 @@ class _Layout:
         self.pending: Optional[List[Optional[torch.Tensor]]] = None
         self.label = ""  # names the group in errors, e.g. "bucket 3"
         self.plan = None  # codec.ChunkPlan of the packed values (value_bits only)
+        self._lengths = None  # int64 [S] segment lengths on the device (segment_reduce)
+        self._idx_seg = {}    # order -> int64 [k] segment of each index-set entry
+        self._wcache = None   # (param data_ptrs, fp32 weight [N], its segment views, sources)
+
+    def lengths(self) -> torch.Tensor:
+        """int64 ``[S]`` segment lengths on the device, built once per layout."""
+        if self._lengths is None:
+            self._lengths = torch.tensor(self.numels, dtype=torch.int64, device=self.device)
+        return self._lengths
+
+    def idx_segments(self, order: str) -> torch.Tensor:
+        """int64 ``[k]``: the segment of each entry of the index set, fixed per layout.
+        ``order`` ``"split"``: all cores (``ks`` per segment) then all explores (``ms``);
+        ``"sorted"``: ascending indices (``ks + ms`` per segment)."""
+        t = self._idx_seg.get(order)
+        if t is None:
+            segs = torch.arange(len(self.numels), device=self.device)
+            if order == "sorted":
+                counts = [k + m for k, m in zip(self.ks, self.ms)]
+                t = torch.repeat_interleave(segs, torch.tensor(counts, device=self.device))
+            else:
+                t = torch.cat([
+                    torch.repeat_interleave(segs, torch.tensor(self.ks, device=self.device)),
+                    torch.repeat_interleave(segs, torch.tensor(self.ms, device=self.device))])
+            self._idx_seg[order] = t
+        return t
+
+    def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """``[S]`` -> ``[N]``: each segment's value repeated over its elements (one op,
+        no host sync: the output size is the layout's)."""
+        return torch.repeat_interleave(per_segment, self.lengths(), output_size=self.numel)
 
     def seg(self, s):
         return self.offsets[s], self.offsets[s + 1]
@@ -274,11 +307,11 @@ class SlimDPCompressor:
         "_hp_index_mode",
         "_hp_error_feedback",
         "_hp_error_decay",
-        "_hp_value_bits",
-        "_hp_quant_chunk",
         "_hp_value_dtype",
         "_hp_seed",
         "_hp_check_agreement_every",
+        "_hp_value_bits",
+        "_hp_quant_chunk",
         # internal state
         "step",
         "_positions",   # id(param) -> position in model.parameters()
@@ -294,8 +327,9 @@ class SlimDPCompressor:
         "_owner_pending",  # "owner" of a loaded state_dict, checked at the next new layout
         "_scaler",         # GradScaler whose scale the residual and G are divided by
         "_undo",           # [(layout, step, idx, old G values)] of steps not yet settled
-        "_void_steps",     # steps in which some parameter was non-finite
         "_fallbacks",      # device -> int64 count of refreshes whose new core set differed
+        "_dev_counts",     # device -> int64 [2]: non-finite parameter-steps, voided steps
+        "_void_flags",     # step -> bool 0-d device tensor: some parameter was non-finite
     ]
 
     process_group = _Frozen()
@@ -308,10 +342,10 @@ class SlimDPCompressor:
     error_feedback = _Frozen()
     error_decay = _Frozen()
     value_dtype = _Frozen()
-    value_bits = _Frozen()
-    quant_chunk = _Frozen()
     seed = _Frozen()
     check_agreement_every = _Frozen()
+    value_bits = _Frozen()
+    quant_chunk = _Frozen()
 
     # Adapter policies (see SlimDPState): a parameter whose values are exactly zero on
     # every rank keeps its residual and G (DDP discards the result of a parameter no rank
@@ -388,10 +422,10 @@ class SlimDPCompressor:
         self._hp_error_feedback = error_feedback
         self._hp_error_decay = float(error_decay)
         self._hp_value_dtype = value_dtype
-        self._hp_value_bits = value_bits
-        self._hp_quant_chunk = quant_chunk
         self._hp_seed = seed
         self._hp_check_agreement_every = check_agreement_every
+        self._hp_value_bits = value_bits
+        self._hp_quant_chunk = quant_chunk
         self.step = 0
         self._positions: Dict[int, int] = {}
         self._names: List[str] = []
@@ -406,8 +440,9 @@ class SlimDPCompressor:
         self._owner_pending: Optional[Dict[str, Any]] = None
         self._scaler = None
         self._undo: List[Tuple[_Layout, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
-        self._void_steps: set = set()
         self._fallbacks: Dict[torch.device, torch.Tensor] = {}
+        self._dev_counts: Dict[torch.device, torch.Tensor] = {}
+        self._void_flags: Dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------ parameters
     def attach_parameters(self, named: Sequence[Tuple[str, torch.Tensor]]) -> "SlimDPCompressor":
@@ -724,10 +759,31 @@ class SlimDPCompressor:
         """The attached tensors flattened like their values in the group buffer: in memory
         order (DDP lays a dense, non-overlapping gradient out like its parameter, e.g.
         channels_last), else in logical order."""
-        w = torch.empty(layout.numel, dtype=torch.float32, device=layout.device)
-        for s, pos in enumerate(layout.positions):
-            lo, hi = layout.seg(s)
-            w[lo:hi].copy_(_memory_order_flat(self._params[pos].detach()))
+        params = [self._params[pos] for pos in layout.positions]
+        key = tuple(p.data_ptr() for p in params)
+        cache = layout._wcache
+        if cache is None or cache[0] != key:
+            # Built once per layout (and again if a parameter's storage is replaced): the
+            # flat weight, its segment views and the parameters' flat views, so that each
+            # refresh is one multi-tensor copy whatever the number of parameters.
+            w = torch.empty(layout.numel, dtype=torch.float32, device=layout.device)
+            dst, src, slow = [], [], []
+            for s, p in enumerate(params):
+                lo, hi = layout.seg(s)
+                flat = _memory_order_flat(p.detach())
+                if hi == lo:
+                    continue
+                if flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+                    dst.append(w[lo:hi])
+                    src.append(flat)
+                else:
+                    slow.append((lo, hi, p))  # not viewable flat: a fresh copy each time
+            cache = layout._wcache = (key, w, dst, src, slow)
+        _, w, dst, src, slow = cache
+        if dst:
+            torch._foreach_copy_(dst, src)
+        for lo, hi, p in slow:
+            w[lo:hi].copy_(_memory_order_flat(p.detach()))
         return w
 
     # ------------------------------------------------------------ loss scale, void steps
@@ -768,19 +824,35 @@ class SlimDPCompressor:
         return scale
 
     def _record_commit(self, layout: _Layout, step: int, idx: torch.Tensor,
-                       undo_g: Optional[torch.Tensor], void: bool) -> None:
+                       undo_g: Optional[torch.Tensor], void: torch.Tensor) -> None:
+        """Remember a commit so :meth:`_settle` can undo it; ``void``: bool 0-d device
+        tensor, some parameter of this group was non-finite (never read on the host)."""
         if not self._VOID_NONFINITE_STEP:
             return
         with self._lock:
             self._undo.append((layout, step, idx, undo_g))
-            if void:
-                self._void_steps.add(step)
+            old = self._void_flags.get(step)
+            self._void_flags[step] = void if old is None else old | void
+
+    def _dev_count(self, device) -> torch.Tensor:
+        """int64 ``[2]`` device counters (non-finite parameter-steps, voided steps), added
+        to without a host sync and read only by :attr:`stats`."""
+        with self._lock:
+            cnt = self._dev_counts.get(device)
+            if cnt is None:
+                cnt = self._dev_counts[device] = torch.zeros(2, dtype=torch.int64,
+                                                             device=device)
+        return cnt
 
     def _settle(self) -> None:
         """Undo, for every parameter, the commits of a finished step in which any parameter
         was non-finite (policy ``_VOID_NONFINITE_STEP``: a GradScaler skips the whole
         step, so values sent then were never applied and must stay in the residual).
-        Runs at the start of the next step and before :meth:`state_dict`."""
+        Runs at the start of the next step and before :meth:`state_dict`.
+
+        Branchless (no host sync): whether the step is void is a device flag, and every
+        recorded group selects, with ``torch.where``, its old residual and old ``G`` at
+        the sent coordinates where the flag is set and the new ones elsewhere."""
         if not self._undo:
             return
         with self._lock:
@@ -788,18 +860,22 @@ class SlimDPCompressor:
             if not done:
                 return
             self._undo = [u for u in self._undo if u[1] >= self.step]
-            void = self._void_steps
-            self._void_steps = {t for t in void if t >= self.step}
+            flags = self._void_flags
+            self._void_flags = {t: v for t, v in flags.items() if t >= self.step}
+        counted = set()
         for layout, step, idx, undo_g in done:
-            if step not in void or self._layouts.get(tuple(layout.positions)) is not layout:
+            void = flags.get(step)
+            if void is None:
+                continue
+            if step not in counted:
+                counted.add(step)
+                self._dev_count(void.device)[1:].add_(void)
+            if self._layouts.get(tuple(layout.positions)) is not layout:
                 continue
             if layout.residual is not None:
-                layout.residual, layout.spare = layout.spare, layout.residual
+                torch.where(void, layout.spare, layout.residual, out=layout.residual)
             if undo_g is not None:
-                ops.unpack(layout.G, idx, undo_g)
-        if any(u[1] in void for u in done):
-            with self._lock:
-                self._stats["voided_steps"] += len({u[1] for u in done if u[1] in void})
+                ops.unpack(layout.G, idx, torch.where(void, undo_g, ops.pack(layout.G, idx)))
 
     # ------------------------------------------------------------ stats
     def _count(self, dense_bytes: int, sent_bytes: int, numel: int, sent: int,
@@ -834,9 +910,9 @@ class SlimDPCompressor:
             self._step_acc["check_bytes"] += nbytes
             self._step_acc["bytes_sent"] += nbytes
 
-    def _note_nonfinite(self, n: int) -> None:
-        with self._lock:
-            self._stats["nonfinite_fallbacks"] += n
+    def _note_nonfinite(self, n: torch.Tensor) -> None:
+        """Add the int64 0-d device count ``n`` of non-finite parameters (no host sync)."""
+        self._dev_count(n.device)[:1].add_(n)
 
     @property
     def stats(self) -> Dict[str, Any]:
@@ -868,10 +944,12 @@ class SlimDPCompressor:
         """
         with self._lock:
             fallbacks = list(self._fallbacks.values())
+            dev = [c.tolist() for c in self._dev_counts.values()]  # reading stats syncs
             out = {
                 "steps": self._stats["steps"],
-                "nonfinite_fallbacks": self._stats["nonfinite_fallbacks"],
-                "voided_steps": self._stats["voided_steps"],
+                "nonfinite_fallbacks": self._stats["nonfinite_fallbacks"]
+                + sum(c[0] for c in dev),
+                "voided_steps": self._stats["voided_steps"] + sum(c[1] for c in dev),
                 "last": dict(self._stats["last"]),
                 "total": dict(self._stats["total"]),
             }
@@ -1014,13 +1092,14 @@ class SlimDPCompressor:
         self._layouts.clear()
         self._slots.clear()
         self._undo = []
-        self._void_steps = set()
+        self._void_flags = {}
         self._loaded = loaded
         self._owner_pending = dict(owner)
         self.step = step
         st = state_dict.get("stats")
         with self._lock:
             self._stats = _new_stats()
+            self._dev_counts = {}
             if st:
                 self._stats["steps"] = st["steps"]
                 self._stats["nonfinite_fallbacks"] = st["nonfinite_fallbacks"]
@@ -1039,7 +1118,10 @@ class SlimDPCompressor:
 
     def __setstate__(self, state):
         """Rebuild with the default process group; re-attach the model afterwards."""
-        self.__init__(process_group=None, **state["hyperparameters"])
+        hp = state["hyperparameters"]
+        accepted = inspect.signature(type(self).__init__).parameters
+        # an adapter may not offer every core hyperparameter (SlimDPState: no value_bits)
+        self.__init__(process_group=None, **{k: v for k, v in hp.items() if k in accepted})
         self.load_state_dict(state["state"])
 
 
@@ -1130,17 +1212,10 @@ def _dense(state, layout, buf, world_size, wire_dtype):
         out = f.value()[0]
         if out is not buf:
             buf.copy_(out)
-        if bool(torch.isfinite(out.sum(dtype=torch.float32))):
-            layout.G.copy_(out)
-        else:
-            bad = 0
-            for s in range(len(layout.positions)):
-                lo, hi = layout.seg(s)
-                if bool(torch.isfinite(out[lo:hi]).all()):
-                    layout.G[lo:hi].copy_(out[lo:hi])
-                else:
-                    bad += 1
-            state._note_nonfinite(bad)
+        # Branchless: G <- the average in the parameters whose average is finite.
+        fin = torch.isfinite(_segment_max_abs(layout, out))
+        torch.where(layout.expand(fin), out, layout.G, out=layout.G)
+        state._note_nonfinite(fin.logical_not().sum())
         if scale is not None:
             layout.G.div_(scale)
         return buf
@@ -1161,22 +1236,24 @@ def _accumulate(state, layout: _Layout, buf: torch.Tensor, scale) -> torch.Tenso
     return torch.add(layout.residual, buf, out=layout.spare)
 
 
+def _segment_max_abs(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
+    """``[S]`` in ``buf``'s dtype: per segment the largest ``|x|`` (NaN if any is NaN,
+    0 for an empty segment); two ops whatever the number of segments."""
+    return torch.segment_reduce(buf.abs(), "max", lengths=layout.lengths(), initial=0)
+
+
 def _segment_flags(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
     """fp32 ``[S]`` per parameter of this rank's new values ``buf``: NaN if they hold
     NaN/inf, else 1 if any is nonzero, else 0 (exact). Summed over the ranks: NaN if
     non-finite on some rank, 0 if exactly zero on every rank (e.g. a parameter no rank
     used, whose result DDP discards), else the number of ranks with nonzero values.
-    (The residual is always finite, so ``buf`` decides whether ``acc`` is.)"""
-    flags = torch.empty(len(layout.positions), dtype=torch.float32, device=buf.device)
-    for s in range(len(layout.positions)):
-        lo, hi = layout.seg(s)
-        if hi > lo:
-            mn, mx = torch.aminmax(buf[lo:hi])
-            # min/max propagate NaN; inf * 0 = NaN
-            flags[s] = mn * 0.0 + mx * 0.0 + ((mn != 0) | (mx != 0))
-        else:
-            flags[s] = 0.0
-    return flags
+    (The residual is always finite, so ``buf`` decides whether ``acc`` is.)
+
+    Segmented, a fixed few ops: ``m = max |x|`` per segment, ``m * 0 + (m != 0)``."""
+    m = _segment_max_abs(layout, buf)
+    if m.dtype != torch.float32:
+        m = m.float()
+    return m.mul(0.0).add_(m != 0)
 
 
 def _select_explore(state, layout, core, step):
@@ -1230,7 +1307,7 @@ def _zero_sent(layout, acc, idx, kept=None, scale=None):
         acc.div_(scale)
 
 
-def _commit(state, layout, buf, acc, idx, vals, flags, step, scale):
+def _commit(state, layout, buf, acc, idx, vals, flags, step, scale, order="split"):
     """After the collective: update ``G`` and the residual, fill NaN where flagged.
 
     ``flags``: the summed per-parameter flags of :func:`_segment_flags`. With the
@@ -1238,49 +1315,45 @@ def _commit(state, layout, buf, acc, idx, vals, flags, step, scale):
     residual and ``G`` and comes back zero. With ``_VOID_NONFINITE_STEP`` the old ``G``
     values at ``idx`` are kept (the old residual stays in ``layout.spare``) so that
     :meth:`SlimDPCompressor._settle` can undo the whole step if any parameter of it was
-    non-finite.
+    non-finite. ``order``: how ``idx`` is laid out (see ``_Layout.idx_segments``).
+
+    Branchless, a fixed number of ops whatever the number of parameters and no host
+    sync: per parameter (``[S]``) ``good`` = flags finite (and nonzero under
+    ``_KEEP_ALL_ZERO``) and the averaged values finite; ``torch.where`` then keeps the
+    old residual and ``G`` of the parameters that are not good, fills NaN (flagged) or
+    zeros (all-zero) into ``buf``; the non-finite count stays on the device.
     """
     shared = state.index_mode == "shared"
     g_vals = vals if vals.dtype == torch.float32 else vals.float()
     if scale is not None and shared:
         g_vals = g_vals / scale
     fl = flags if flags.dtype == torch.float32 else flags.float()
-    undo_g = ops.pack(layout.G, idx) if state._VOID_NONFINITE_STEP and shared else None
-    # One host sync per bucket: a non-finite flag or value makes the sum non-finite
-    # (a finite overflow only sends us down the exact per-parameter path below).
-    total = torch.isfinite(fl.sum() + g_vals.sum())
+    # finite flags and finite averaged values: fl is NaN or a small count >= 0
+    fin = torch.isfinite(_segment_max_abs(layout, buf).add(fl))
     if state._KEEP_ALL_ZERO:
-        total = total & (fl.amin() > 0) if fl.numel() else total
-    if bool(total):
-        if shared:
-            ops.unpack(layout.G, idx, g_vals)
-        if layout.residual is not None:
-            layout.residual, layout.spare = acc, layout.residual
-        state._record_commit(layout, step, idx, undo_g, False)
-        return
-    # Rare path: per parameter, exact.
-    old_g = layout.G.clone() if shared else None
-    if old_g is not None:
-        ops.unpack(layout.G, idx, g_vals)
-    bad = 0
-    for s in range(len(layout.positions)):
-        lo, hi = layout.seg(s)
-        flagged = not bool(torch.isfinite(fl[s]))
-        zero = state._KEEP_ALL_ZERO and not flagged and bool(fl[s] == 0)
-        if flagged:
-            buf[lo:hi].fill_(float("nan"))
-        elif zero:
-            buf[lo:hi].zero_()  # nothing applied: the residual is kept for a later step
-        if zero or flagged or not bool(torch.isfinite(buf[lo:hi]).all()):
-            bad += not zero
-            if old_g is not None:
-                layout.G[lo:hi].copy_(old_g[lo:hi])
-            if layout.residual is not None:
-                acc[lo:hi].copy_(layout.residual[lo:hi])
+        keep = fl > 0                # neither flagged (NaN) nor zero on every rank
+        good = keep.logical_and(fin)
+        bad = torch.eq(good, fl == 0).sum()  # not good and not all-zero
+    else:
+        keep = fl == fl              # not flagged
+        good = fin
+        bad = fin.logical_not().sum()
+    fill = fl.mul(0.0)               # NaN where flagged, 0 where all-zero
+    if fill.dtype != buf.dtype:
+        fill = fill.to(buf.dtype)
+    torch.where(layout.expand(keep), buf, layout.expand(fill), out=buf)
+    undo_g = None
+    if shared:
+        old_g = ops.pack(layout.G, idx)
+        good_at = good[layout.idx_segments(order)]
+        ops.unpack(layout.G, idx, torch.where(good_at, g_vals, old_g))
+        undo_g = old_g if state._VOID_NONFINITE_STEP else None
     if layout.residual is not None:
+        torch.where(layout.expand(good), acc, layout.residual, out=acc)
         layout.residual, layout.spare = acc, layout.residual
     state._note_nonfinite(bad)
-    state._record_commit(layout, step, idx, undo_g, bad > 0)
+    if state._VOID_NONFINITE_STEP:
+        state._record_commit(layout, step, idx, undo_g, bad > 0)
 
 
 def _shared(state, layout, buf, world_size, step, weight):
@@ -1402,8 +1475,6 @@ def _quantised(state, layout, buf, world_size, step, weight):
             state._refresh_core(layout, since % state.core_refresh == 0, weight)
         idx, n_explore = _select_explore(state, layout, layout.core, step)
         idx = torch.sort(idx).values  # segment-contiguous, so the chunk plan is fixed
-        if state.check_agreement_every and since % state.check_agreement_every == 0:
-            _check_agreement(state, layout, idx)
     if layout.plan is None:
         layout.plan = ChunkPlan([k + m for k, m in zip(layout.ks, layout.ms)],
                                 state.quant_chunk, layout.device)
@@ -1439,7 +1510,7 @@ def _quantised(state, layout, buf, world_size, step, weight):
         avg = dequantize(all_codes, all_scales, plan, bits).sum(0).div_(world_size)
         buf.zero_()
         ops.unpack(buf, idx, avg if buf.dtype == torch.float32 else avg.to(buf.dtype))
-        _commit(state, layout, buf, acc, idx, avg, all_flags, step, scale)
+        _commit(state, layout, buf, acc, idx, avg, all_flags, step, scale, "sorted")
         return buf
 
     return fut.then(done)

@@ -1,0 +1,140 @@
+"""Hot-path budget of the Slim-DP step: no host syncs, ops per bucket constant.
+
+A TorchDispatchMode (:class:`slimcomm._opcount.OpCounter`) counts every
+dispatched ATen op inside the DDP comm hook and inside
+``SlimDPOptimizer.synchronize`` on 2 gloo ranks, with the collectives made
+synchronous so the futures' callbacks run (and are counted) inline. On a GPU
+each op is about one kernel launch and each ``_local_scalar_dense`` a host
+sync (issue 12).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_workers
+
+from slimcomm import compressor
+from slimcomm._opcount import OpCounter, synchronous_collectives
+from slimcomm.hooks import SlimDPState, slim_dp_hook
+
+#: ceilings on dispatched ops per bucket (views included) of a compressed step and of a
+#: refresh step, as measured now (issue 12 targets <= 20; see the report in the branch)
+BUDGET = 60
+REFRESH_BUDGET = 80
+QUANT_BUDGET = 110
+SIZES = (10, 130)  # parameters per model (one bucket)
+
+
+def make_model(nparams):
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 6) for _ in range(nparams // 2)]
+    return nn.Sequential(*layers)
+
+
+def _hook_counts(rank, world_size, nparams, mode, steps=8, refresh=4):
+    torch.manual_seed(0)
+    model = make_model(nparams)
+    ddp = DDP(model, bucket_cap_mb=64)
+    state = SlimDPState(core_ratio=0.2, explore_ratio=0.1, core_refresh=refresh,
+                        warmup_steps=2, index_mode=mode)
+    state.attach(ddp)
+    rows = []
+    counter = OpCounter()
+
+    def hook(st, bucket):
+        with counter:
+            fut = slim_dp_hook(st, bucket)
+        rows[-1]["buckets"] += 1
+        return fut
+
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    with synchronous_collectives(compressor):
+        for t in range(steps):
+            step = state.step
+            counter.reset()
+            rows.append(dict(step=step, buckets=0))
+            x = torch.randn(4, 6, generator=g)
+            opt.zero_grad()
+            ddp(x).square().sum().backward()
+            opt.step()
+            rows[-1].update(total=counter.total, syncs=counter.host_syncs,
+                            ops=dict(counter.ops))
+    return rows
+
+
+def _classify(rows, warmup=2, refresh=4):
+    steady, fresh = [], []
+    for r in rows:
+        since = r["step"] - warmup
+        if since < 0 or since == 0:
+            continue  # warm-up, and the first compressed step builds the layout state
+        (fresh if since % refresh == 0 else steady).append(r)
+    return steady, fresh
+
+
+def _opt_counts(rank, world_size, nparams, compression, value_bits, steps=6, refresh=3):
+    from slimcomm.optim import SlimDPOptimizer
+    model = make_model(nparams)
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = SlimDPOptimizer(model, inner, sync_every=1, compression=compression,
+                          core_ratio=0.2, explore_ratio=0.1, core_refresh=refresh,
+                          value_bits=value_bits, outer_momentum=0.9)
+    groups = len(opt._groups)
+    g = torch.Generator().manual_seed(rank)
+    rows = []
+    counter = OpCounter()
+    real_sync = opt.synchronize
+
+    def counted():
+        with counter:
+            real_sync()
+
+    opt.synchronize = counted
+    with synchronous_collectives(compressor):
+        for t in range(steps):
+            step = opt.compressor.step
+            counter.reset()
+            inner.zero_grad()
+            model(torch.randn(4, 6, generator=g)).square().sum().backward()
+            opt.step()
+            rows.append(dict(step=step, buckets=groups, total=counter.total,
+                             syncs=counter.host_syncs, ops=dict(counter.ops)))
+    return rows
+
+
+def _per_bucket(rows):
+    return sorted({r["total"] / r["buckets"] for r in rows})
+
+
+def _check(results, warmup, refresh, budget=BUDGET, refresh_budget=REFRESH_BUDGET):
+    per = {}
+    for n, rows in results.items():
+        steady, fresh = _classify(rows, warmup, refresh)
+        assert steady and fresh
+        for r in steady + fresh:
+            assert r["syncs"] == 0, (n, r["step"], r["ops"])
+        per[n] = (_per_bucket(steady), _per_bucket(fresh))
+    a, b = per[SIZES[0]], per[SIZES[1]]
+    assert a == b, per  # ops per bucket do not depend on the number of parameters
+    steady, fresh = a
+    assert len(steady) == 1 and len(fresh) == 1, per
+    assert steady[0] <= budget and fresh[0] <= refresh_budget, per
+    return per
+
+
+@pytest.mark.parametrize("mode", ["shared", "local"])
+def test_hook_step_has_no_host_sync_and_constant_ops(mode):
+    results = {n: run_workers(_hook_counts, 2, n, mode, timeout=300)[0] for n in SIZES}
+    _check(results, warmup=2, refresh=4)
+
+
+@pytest.mark.parametrize("compression,bits", [("shared", None), ("dense", 2)])
+def test_optimizer_sync_has_no_host_sync_and_constant_ops(compression, bits):
+    results = {n: run_workers(_opt_counts, 2, n, compression, bits, timeout=300)[0]
+               for n in SIZES}
+    budget = QUANT_BUDGET if bits else BUDGET
+    _check(results, warmup=0, refresh=3, budget=budget, refresh_budget=max(budget, REFRESH_BUDGET))
