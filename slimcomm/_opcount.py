@@ -16,7 +16,6 @@ import contextlib
 from collections import Counter
 from typing import Iterator
 
-import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
