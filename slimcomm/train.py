@@ -106,6 +106,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -124,6 +125,9 @@ from .workloads import data as data_mod
 from .workloads import models as models_mod
 from .workloads import text as text_mod
 from .agreement import agree_across_ranks
+from .report import RESULT_FORMAT, compare_table, compute_config_key, plot_results, setting_summary
+
+log = logging.getLogger("slimcomm.train" if __name__ == "__main__" else __name__)
 
 __all__ = ["METHODS", "MODELS", "build_parser", "build_model", "apply_method_defaults", "run", "compare_table",
            "plot_results", "main"]
@@ -134,7 +138,6 @@ MODELS = ("mlp", "cnn", "gpt")
 GPT_DEFAULTS = {"n_layer": 2, "n_embd": 192, "n_head": 3, "block_size": 64, "batch_size": 8, "steps": 1000,
                 "warmup_lr_steps": 30, "eval_every": 50, "val_batches": 16}
 """Defaults of ``--model gpt`` (see the README for why this size: DDP is network-bound at 100 Mbit/s)."""
-RESULT_FORMAT = "slimcomm.train/1"
 BYTES_DEFINITION = (
     "payload bytes each rank hands to collectives (all_reduce input size or own all_gather contribution), "
     "summed over training steps; a ring all-reduce puts 2(W-1)/W times this on each rank's link"
@@ -151,10 +154,10 @@ def _int_in(name, lo, hi=None):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}")
+            raise argparse.ArgumentTypeError(f"must be an integer, got {s!r}")
         if v < lo or (hi is not None and v > hi):
             bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"{name} must be {bound}, got {v}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {v}")
         return v
     return conv
 
@@ -172,9 +175,9 @@ def _ratio(name):
         try:
             v = float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}")
+            raise argparse.ArgumentTypeError(f"must be a number, got {s!r}")
         if not 0.0 < v <= 1.0:
-            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {v}")
+            raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
         return v
     return conv
 
@@ -184,9 +187,9 @@ def _positive_float(name):
         try:
             v = float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}")
+            raise argparse.ArgumentTypeError(f"must be a number, got {s!r}")
         if not v > 0 or not math.isfinite(v):
-            raise argparse.ArgumentTypeError(f"{name} must be a positive finite number, got {s!r}")
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {s!r}")
         return v
     return conv
 
@@ -197,7 +200,7 @@ def _float_range(name, lo, hi=None, *, lo_open=False, hi_open=True):
         try:
             v = float(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}")
+            raise argparse.ArgumentTypeError(f"must be a number, got {s!r}")
         ok = math.isfinite(v) and (v > lo if lo_open else v >= lo)
         if hi is not None:
             ok = ok and (v < hi if hi_open else v <= hi)
@@ -205,7 +208,7 @@ def _float_range(name, lo, hi=None, *, lo_open=False, hi_open=True):
             left = "(" if lo_open else "["
             right = ")" if hi is None or hi_open else "]"
             bound = f"in {left}{lo:g}, {'inf' if hi is None else f'{hi:g}'}{right}"
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number {bound}, got {s!r}")
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {s!r}")
         return v
     return conv
 
@@ -218,9 +221,9 @@ def _hidden(s: str):
     try:
         sizes = tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--hidden must be comma-separated integers, got {s!r}")
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {s!r}")
     if not sizes or any(h < 1 for h in sizes):
-        raise argparse.ArgumentTypeError(f"--hidden needs at least one positive width, got {s!r}")
+        raise argparse.ArgumentTypeError(f"needs at least one positive width, got {s!r}")
     return sizes
 
 
@@ -228,17 +231,19 @@ def _methods(s: str):
     ms = [m.strip() for m in s.split(",") if m.strip()]
     bad = [m for m in ms if m not in METHODS]
     if not ms or bad:
-        raise argparse.ArgumentTypeError(f"--compare: unknown method(s) {bad or s!r}; choose from {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad or s!r}; choose from {', '.join(METHODS)}")
     if len(set(ms)) != len(ms):
-        raise argparse.ArgumentTypeError(f"--compare lists a method twice: {s!r}")
+        raise argparse.ArgumentTypeError(f"lists a method twice: {s!r}")
     return ms
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: ...)`` unless the help text already states the default."""
+    """Appends ``(default: ...)`` unless the help text already states it, the default is unset, or the
+    option is a switch (``store_true``: off unless given)."""
 
     def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
+        if (action.default is None or action.default is argparse.SUPPRESS or action.nargs == 0
+                or "default" in (action.help or "")):
             return action.help
         return super()._get_help_string(action)
 
@@ -257,11 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run these methods one after another (same seed) and print one table")
     g.add_argument("--model", choices=MODELS, default="mlp",
                    help="workload: MLP or convnet on Fashion-MNIST/digits, or a GPT on a text corpus")
-    g.add_argument("--plot", default=None, metavar="PNG",
+    g.add_argument("--plot", nargs="?", const="auto", default=None, metavar="PNG",
                    help="write a PNG of the metric (test accuracy or validation loss) vs train time and vs MB "
-                        "sent for the runs")
+                        "sent per rank, one median line per configuration; without PNG: plot.png in the "
+                        "run directory")
     g.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
-                   help="with --plot: plot these result files instead of training")
+                   help="with --plot PNG: table and plot of these result files instead of training; runs "
+                        "are grouped by configuration (same settings, any seed: one median line with a "
+                        "min-max band)")
 
     g = p.add_argument_group("launch")
     g.add_argument("--world-size", type=_positive_int("--world-size"), default=None,
@@ -396,9 +404,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "invocation, so no earlier result is replaced)")
     g.add_argument("--no-progress", action="store_true",
                    help="no tqdm progress bars (they are shown only when stderr is a terminal anyway)")
-    g.add_argument("--quiet", action="store_true", help="no progress bars and no dataset/corpus messages")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress bars, and log only warnings and errors (as --log-level WARNING)")
+    g.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=None,
+                   help="level of the log messages on stderr (data set, corpus, run directory, "
+                        "library diagnostics); results tables always go to stdout (default: INFO, "
+                        "WARNING with --quiet)")
     g.add_argument("--version", action="version", version=f"slimcomm {_slimcomm_version()}")
     return p
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The effective ``--log-level``: as given, else WARNING with ``--quiet``, else INFO."""
+    if getattr(args, "log_level", None):
+        return args.log_level
+    return "WARNING" if getattr(args, "quiet", False) else "INFO"
+
+
+def setup_logging(level: str, rank: Optional[int] = None) -> None:
+    """Configure the root logger for the command: ``level`` on stderr; ranks other than 0 log warnings only.
+
+    Called by :func:`main` and in every spawned rank (a spawned process starts without the parent's
+    logging configuration). ``force=True`` replaces an earlier configuration of this process.
+    """
+    if rank is not None and rank > 0 and logging.getLevelName(level) < logging.WARNING:
+        level = "WARNING"
+    fmt = LOG_FORMAT if rank is None else f"[rank {rank}] {LOG_FORMAT}"
+    logging.basicConfig(level=level, format=fmt, stream=sys.stderr, force=True)
 
 
 def _slimcomm_version() -> str:
@@ -929,6 +965,7 @@ def _evaluate(model, x, y, rank, world_size, device):
 
 def _worker(rank: int, args: argparse.Namespace, init_method: str) -> Optional[Dict[str, Any]]:
     """Body of one rank. Returns the results dict on rank 0 (also written to args.out), else None."""
+    setup_logging(log_level(args), rank)
     torch.set_num_threads(args.threads)
     world_size = args.world_size
     if args.device == "cuda":
@@ -955,7 +992,8 @@ class _ImageTask:
 
     def __init__(self, args, rank: int, world_size: int, device):
         self.args, self.rank = args, rank
-        ds = data_mod.load_dataset(args.dataset, args.data_dir, log=print if rank == 0 and not args.quiet else None)
+        ds = data_mod.load_dataset(args.dataset, args.data_dir,
+                                   log=data_mod.logger.warning if rank == 0 else None)
         shard = data_mod.shard_indices(ds.x_train.shape[0], rank, world_size, seed=args.seed,
                                        subset=args.train_subset)
         if args.batch_size > shard.numel():
@@ -1207,15 +1245,19 @@ def _train(rank, world_size, args, device, backend):
     final_scores = {k: final[k] for k in final if k in ("test_acc", "test_loss", "val_loss")}
     model_info = task.model_info()
     model_info["num_params"] = method.num_params
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
+              if k not in ("compare", "plot_from")}
+    dataset_info = task.describe()
     result = {
         "format": RESULT_FORMAT,
         "method": args.method,
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
-                   if k not in ("compare", "plot_from")},
+        "config": config,
+        # groups runs that differ only by seed (--plot-from; slimcomm.report.config_key)
+        "config_key": compute_config_key(config, dataset_info["name"]),
         "world_size": world_size,
         "backend": backend,
         "metric": task.metric,
-        "dataset": task.describe(),
+        "dataset": dataset_info,
         "model": model_info,
         "steps_per_epoch": task.steps_per_epoch,
         "planned_steps": task.total_steps,
@@ -1295,128 +1337,22 @@ def run(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
         return json.load(f)
 
 
-def _fmt_ratio(x):
-    return "-" if x is None else f"{x:.3g}x"
-
-
-_METRIC_LABELS = {"test_acc": "test acc", "val_loss": "val loss"}
-
-
-def _metric(results: Sequence[Dict[str, Any]]) -> str:
-    """The metric of a set of results (results JSONs before the ``metric`` field are test accuracy)."""
-    names = {r.get("metric", {}).get("name", "test_acc") for r in results}
-    if len(names) != 1:
-        raise ValueError(f"results mix metrics {sorted(names)}; compare runs of one workload at a time")
-    return names.pop()
-
-
-def compare_table(results: Sequence[Dict[str, Any]], baseline: str = "ddp", fmt: str = "github") -> str:
-    """One table: method, final metric, train time, MB sent per rank, ratios vs ``baseline``.
-
-    ``results`` are results dicts (as written to the JSON files), all of one
-    workload: the metric column is test accuracy (mlp, cnn) or validation loss
-    in nats/token (gpt). Ratios are ``method / baseline`` and shown only when
-    the baseline is among them. Time-to-target is shown when any run reached it.
-
-    Raises:
-        ValueError: the results mix metrics.
-    """
-    metric = _metric(results)
-    base = next((r for r in results if r["method"] == baseline), None)
-    has_ttt = any(r.get("time_to_target") for r in results)
-    headers = ["method", _METRIC_LABELS.get(metric, metric), "train time (s)", "MB sent/rank", f"MB vs {baseline}",
-               f"time vs {baseline}"]
-    if has_ttt:
-        tgt = next(r["time_to_target"]["target"] for r in results if r.get("time_to_target"))
-        headers.append(f"time to {tgt:g} (s)")
-    rows = []
-    for r in results:
-        f = r["final"]
-        mb = f["bytes_sent_per_rank"] / 1e6
-        row = [r["method"], f"{f[metric]:.4f}", f"{f['train_time_s']:.1f}", f"{mb:.2f}",
-               _fmt_ratio(f["bytes_sent_per_rank"] / base["final"]["bytes_sent_per_rank"]) if base else "-",
-               _fmt_ratio(f["train_time_s"] / base["final"]["train_time_s"]) if base else "-"]
-        if has_ttt:
-            t = r.get("time_to_target")
-            row.append(f"{t['train_time_s']:.1f}" if t else "not reached")
-        rows.append(row)
-    try:
-        from tabulate import tabulate
-    except ImportError:  # plain fallback with the same content
-        widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-        line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
-        return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
-    return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
-
-
-def plot_results(results: Sequence[Dict[str, Any]], out_png: str, title: Optional[str] = None) -> str:
-    """PNG with two panels: the metric vs train time (s) and vs MB sent per rank (log x). Returns the path.
-
-    The metric is test accuracy or validation loss (nats/token), as in :func:`compare_table`.
-
-    Raises:
-        ValueError: the results mix metrics.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metric = _metric(results)
-    ylabel = {"test_acc": "test accuracy", "val_loss": "validation loss (nats/token)"}.get(metric, metric)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in results:
-        ev = r["evals"]
-        label = r.get("label") or r["method"]
-        t = [e["train_time_s"] for e in ev]
-        b = [max(e["bytes_sent_per_rank"], 1) / 1e6 for e in ev]
-        y = [e[metric] for e in ev]
-        a1.plot(t, y, marker="o", ms=3, label=label)
-        a2.plot(b, y, marker="o", ms=3, label=label)
-    tgt = next((r["time_to_target"]["target"] for r in results if r.get("time_to_target")), None)
-    for a in (a1, a2):
-        a.set_ylabel(ylabel)
-        a.grid(alpha=0.3)
-        if tgt is not None:
-            a.axhline(tgt, color="gray", ls="--", lw=0.8)
-    a1.set_xlabel("training wall time (s)")
-    a2.set_xlabel("MB sent per rank (log)")
-    a2.set_xscale("log")
-    a1.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
-
-
-def _load_result(path: str) -> Dict[str, Any]:
-    try:
-        with open(path) as f:
-            r = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"error: --plot-from {path}: cannot read a results JSON: {e}")
-    if r.get("format") != RESULT_FORMAT:
-        raise SystemExit(f"error: --plot-from {path}: not a slimcomm.train results file (format {r.get('format')!r})")
-    return r
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``python -m slimcomm.train`` / ``slimcomm-train``; returns the exit status.
+
+    Results tables and the paths written go to stdout; everything else (data
+    set notices, the run directory, library diagnostics) is logged on stderr
+    at ``--log-level``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
+    setup_logging(log_level(args))
     if args.plot_from:
-        if not args.plot:
+        if not args.plot or args.plot == "auto":
             parser.error("--plot-from needs --plot OUT.png")
-        results = [_load_result(p) for p in args.plot_from]
-        try:
-            _metric(results)
-        except ValueError as e:
-            parser.error(f"--plot-from: {e}")
-        print(compare_table(results))
-        print(f"wrote {plot_results(results, args.plot)}")
-        return 0
+        from .report import plot_from
+
+        return plot_from(args.plot_from, args.plot)
     _resolve_launch(args)
     if args.out_dir is None:
         args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
@@ -1426,28 +1362,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "run it without --rank/torchrun")
         if args.out is not None:
             parser.error("--out names one file; with --compare use --out-dir")
-        results = []
-        for m in args.compare:
-            a = argparse.Namespace(**vars(args))
-            a.method = m
+    plot = args.plot
+    if plot == "auto":  # --plot without a path: next to the results
+        folder = os.path.dirname(args.out) if args.out is not None and not args.compare else args.out_dir
+        plot = os.path.join(folder, "plot.png")
+    if not args.external or args.rank == 0:
+        log.info("results go to %s", args.out or args.out_dir)
+    methods = args.compare or [args.method]
+    results = []
+    for i, m in enumerate(methods):
+        a = argparse.Namespace(**vars(args))
+        a.method = m
+        if args.compare:
             a.out = None
-            results.append(run(a))
-        print()
-        r0 = results[0]
-        length = f"{r0['steps']} steps" if r0["steps_per_epoch"] is None else f"{r0['completed_epochs']} epoch(s)"
-        print(f"{r0['dataset']['name']}, {r0['model']['name']} {r0['model']['num_params']:,} params, "
-              f"{args.world_size} ranks, {length}, batch {r0['config']['batch_size']}/rank, "
-              f"{r0['config']['optimizer']}; MB = payload bytes handed to collectives per rank")
-        print(compare_table(results))
-        if args.plot:
-            print(f"wrote {plot_results(results, args.plot)}")
-        return 0
-    result = run(args)
-    if result is not None:
-        print(compare_table([result]))
+            log.info("method %d/%d: %s", i + 1, len(methods), m)
+        r = run(a)
+        if r is None:  # an externally launched rank other than 0
+            return 0
+        results.append(r)
+        args.out = a.out if not args.compare else args.out
+    print()
+    print(setting_summary(results) + "; MB = payload bytes handed to collectives per rank")
+    print(compare_table(results))
+    if args.compare:
+        print(f"wrote {', '.join(os.path.join(args.out_dir, m + '.json') for m in methods)}")
+    else:
         print(f"wrote {args.out}")
-        if args.plot:
-            print(f"wrote {plot_results([result], args.plot)}")
+    if plot:
+        print(f"wrote {plot_results(results, plot)}")
     return 0
 
 

@@ -27,12 +27,15 @@ block in a collective).
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "IDXFormatError",
@@ -288,7 +291,7 @@ def load_digits(test_fraction: float = 1 / 6, seed: int = 0) -> Dataset:
     return Dataset("digits", x_train, torch.from_numpy(y[tr]), x_test, torch.from_numpy(y[te]), 10, "sklearn")
 
 
-def load_dataset(name: str = "auto", data_dir: Optional[str] = None, log=print) -> Dataset:
+def load_dataset(name: str = "auto", data_dir: Optional[str] = None, log=logger.warning) -> Dataset:
     """Load the data set the training command asked for.
 
     Args:
@@ -297,7 +300,8 @@ def load_dataset(name: str = "auto", data_dir: Optional[str] = None, log=print) 
             :data:`FASHION_MNIST_DIR` if present, else the digits set with a
             one-line notice through ``log``.
         data_dir: directory with the Fashion-MNIST IDX files.
-        log: callable for the fallback notice (``None`` to stay silent).
+        log: callable for the fallback notice (default: a warning on this module's
+            :mod:`logging` logger; ``None`` to stay silent).
 
     Raises:
         ValueError: unknown ``name``.
@@ -320,7 +324,7 @@ def load_dataset(name: str = "auto", data_dir: Optional[str] = None, log=print) 
         )
     if log is not None:
         log(
-            f"slimcomm: Fashion-MNIST not found in {FASHION_MNIST_DIR} "
+            f"Fashion-MNIST not found in {FASHION_MNIST_DIR} "
             "(apt-get install dataset-fashion-mnist); using scikit-learn's digits set instead"
         )
     return load_digits()
