@@ -365,76 +365,34 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
     return "\n".join(parts) + "\n"
 
 
+def _flat_results(results: Dict[str, Dict[str, List[Dict]]]) -> List[Dict]:
+    """{rate: {label: [run per seed]}} as one list, each run tagged with its link rate and label."""
+    out = []
+    for rate, by_method in results.items():
+        for m, runs in by_method.items():
+            for r in runs:
+                out.append(dict(r, link=dict(r.get("link") or {}, rate=rate), label=m))
+    return out
+
+
 def plot_lm(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
-    """Validation loss vs training time (one panel per rate) and vs total MB sent per rank."""
-    import matplotlib
+    """Validation loss vs training time (one panel per rate) and vs total MB sent per rank.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn by :func:`slimcomm.report.plot_results`: one median line per method over the seeds with a
+    min-max band, ddp's median final validation loss as the labelled target line.
+    """
+    from slimcomm.report import plot_results
 
-    n = len(results)
-    fig, axes = plt.subplots(1, n + 1, figsize=(5.5 * (n + 1), 4.2), squeeze=False)
-    for ax, (rate, by_method) in zip(axes[0], results.items()):
-        target = _loss_target(by_method)
-        for i, (m, runs) in enumerate(by_method.items()):
-            for j, r in enumerate(runs):
-                ev = r["evals"]
-                ax.plot([e["train_time_s"] for e in ev], [e["val_loss"] for e in ev], lw=1.2,
-                        color=f"C{i % 10}", alpha=0.85, label=m if j == 0 else None)
-        if target is not None:
-            ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"ddp final {target:.3f}")
-        ax.set_xscale("log")
-        ax.set_xlabel("training wall time (s, log)")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.set_title(f"GPT, {rate} per link")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    ax = axes[0][n]
-    by_method = next(iter(results.values()))
-    for i, (m, runs) in enumerate(by_method.items()):
-        for j, r in enumerate(runs):
-            ev = [e for e in r["evals"] if e["bytes_sent_per_rank"] > 0]
-            ax.plot([e["bytes_sent_per_rank"] / 1e6 for e in ev], [e["val_loss"] for e in ev], lw=1.2,
-                    color=f"C{i % 10}", alpha=0.85, label=m if j == 0 else None)
-    ax.set_xscale("log")
-    ax.set_xlabel("total MB sent per rank (log)")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("validation loss vs bytes sent")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    target = _loss_target(next(iter(results.values())))
+    plot_results(_flat_results(results), out_png, panels=("time", "bytes"), log_time=True, target=target,
+                 target_label=None if target is None else f"ddp's final val loss {target:.3f}")
 
 
 def plot(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
-    import matplotlib
+    """Test accuracy vs training time, one panel per rate (:func:`slimcomm.report.plot_results`)."""
+    from slimcomm.report import plot_results
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = len(results)
-    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
-    for ax, (rate, by_method) in zip(axes[0], results.items()):
-        tgt = None
-        for i, (m, runs) in enumerate(by_method.items()):
-            color = f"C{i % 10}"
-            for j, r in enumerate(runs):  # every seed, one colour per method
-                ev = r["evals"]
-                ax.plot([e["train_time_s"] for e in ev], [e["test_acc"] for e in ev], marker="o", ms=2,
-                        lw=1.0, alpha=0.8, color=color, label=m if j == 0 else None)
-                tgt = r["config"]["target_acc"]
-        if tgt is not None:
-            ax.axhline(tgt, color="gray", ls="--", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel("training wall time (s, log)")
-        ax.set_ylabel("test accuracy")
-        ax.set_title(f"{rate} per link")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    plot_results(_flat_results(results), out_png, panels=("time",), log_time=True)
 
 
 def _reusable(path: str, extra: Sequence[str]) -> Optional[Dict]:
@@ -557,6 +515,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         else:
                             print(f"[netbench] {rate} {m}{suffix}: reusing {path}", flush=True)
                         r["netbench_args"] = extra
+                        r["link"] = {"rate": rate, "measured_mbit": round(measured[rate], 1)}
                         r["method_flags"] = per_method.get(m, [])
                         with open(path, "w") as f:
                             json.dump(r, f, indent=1)

@@ -76,22 +76,24 @@ def _link_rate(result: Dict[str, Any]) -> Optional[str]:
 
 
 def config_key(result: Dict[str, Any]) -> str:
-    """12 hex digits identifying ``result``'s configuration (stored ``"config_key"`` if present).
+    """12 hex digits identifying ``result``'s configuration.
 
-    Computed from ``result["config"]`` restricted to :data:`CONFIG_KEYS`
-    (missing keys count as ``None``), the data set's name and the link rate
-    (``result["link"]["rate"]``, set by ``bench/netbench.py``).
+    The stored ``"config_key"`` if present, else :func:`compute_config_key` of
+    ``result["config"]`` restricted to :data:`CONFIG_KEYS` (missing keys count
+    as ``None``) and the data set's name; combined with the link rate when
+    ``bench/netbench.py`` recorded one (``result["link"]["rate"]``).
     """
-    stored = result.get("config_key")
-    if stored:
-        return str(stored)
-    return compute_config_key(result.get("config", {}), (result.get("dataset") or {}).get("name"),
-                              _link_rate(result))
+    key = result.get("config_key") or compute_config_key(result.get("config", {}),
+                                                         (result.get("dataset") or {}).get("name"))
+    rate = _link_rate(result)
+    if rate is not None:  # the training command does not know the link; netbench records it afterwards
+        key = hashlib.sha256(f"{key}@{rate}".encode()).hexdigest()[:12]
+    return str(key)
 
 
-def compute_config_key(config: Dict[str, Any], dataset: Optional[str], rate: Optional[str] = None) -> str:
-    """The hash behind :func:`config_key`, from an options dict, the data set's name and a link rate."""
-    items = [[k, _norm(config.get(k))] for k in CONFIG_KEYS] + [["dataset_name", dataset], ["link", rate]]
+def compute_config_key(config: Dict[str, Any], dataset: Optional[str]) -> str:
+    """The hash the training command stores as ``"config_key"``: options dict + the data set's name."""
+    items = [[k, _norm(config.get(k))] for k in CONFIG_KEYS] + [["dataset_name", dataset]]
     return hashlib.sha256(json.dumps(items, default=str).encode()).hexdigest()[:12]
 
 
@@ -209,7 +211,7 @@ def setting_summary(results: Sequence[Dict[str, Any]], with_method: bool = False
         parts.append(data)
     model = common(lambda r: r["model"])
     if model:
-        name = model.get("name", "?")
+        name = model.get("name") or ("mlp" if model.get("hidden") else "model")
         if name == "mlp" and model.get("hidden"):
             desc = "MLP " + "-".join(map(str, model["hidden"]))
         elif name == "gpt":
