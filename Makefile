@@ -91,8 +91,9 @@ test: setup dataset
 	$(PY) -m pytest -q $(TESTS)
 
 demo: setup dataset
-	@echo "== training an MLP with ddp, slimdp and ist on 2 ranks (about 2 minutes per method on 2 cores)"
-	$(PY) -m slimcomm.train --compare ddp,slimdp,ist --world-size 2 --epochs 2
+	@echo "== training an MLP with ddp, slimdp and ist on 2 ranks (about 10 minutes in all on 2 cores);"
+	@echo "   the results JSONs and plot.png go to a new run directory runs/<date>-<time>-<pid>/"
+	$(PY) -m slimcomm.train --compare ddp,slimdp,ist --world-size 2 --epochs 2 --plot
 
 bench: setup
 	$(PY) bench/kernels.py --device cpu
