@@ -61,6 +61,8 @@ def test_compare_exits_zero_and_prints_table(compare_run):
     assert rows[0].split("|")[1].strip() == "method"
     assert [ln.split("|")[1].strip() for ln in rows[1:]] == METHODS
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(ln.startswith("digits, MLP 48-48 (5,962 params), 2 ranks, 1 epoch(s)") for ln in lines)
+    assert f"INFO slimcomm.train: results go to {out}" in r.stderr  # logged at the default level INFO
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -69,6 +71,7 @@ def test_method_result_json(compare_run, method):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / f"{method}.json").read_text())
     assert res["format"] == T.RESULT_FORMAT and res["method"] == method
+    assert res["config_key"] == R.compute_config_key(res["config"], res["dataset"]["name"])
     assert res["world_size"] == 2 and res["backend"] == "gloo"
     assert res["completed_epochs"] == 1 and len(res["epochs"]) == 1
     steps = res["steps_per_epoch"]
@@ -102,9 +105,11 @@ def test_same_seed_same_result(compare_run, tmp_path):
     r, out, _ = compare_run
     first = json.loads((out / "slimdp.json").read_text())
     p = tmp_path / "again.json"
-    r2 = subprocess.run(_cmd("--method", "slimdp", "--eval-every", "20", "--out", str(p), *TINY),
+    r2 = subprocess.run(_cmd("--method", "slimdp", "--eval-every", "20", "--out", str(p), "--quiet", *TINY),
                         env=_env(), capture_output=True, text=True, timeout=200, cwd=REPO)
     assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "INFO" not in r2.stderr  # --quiet: warnings and errors only
+    assert "digits, MLP 48-48" in r2.stdout and "vs ddp" not in r2.stdout  # setting line, no empty ratios
     again = json.loads(p.read_text())
     assert [e["test_acc"] for e in again["evals"]] == [e["test_acc"] for e in first["evals"]]
     assert again["final"]["bytes_sent_per_rank"] == first["final"]["bytes_sent_per_rank"]
@@ -547,3 +552,158 @@ def test_local_step_methods_on_gpt(tmp_path, small_text):
         sent, dense = res["final"]["bytes_sent_per_rank"], res["final"]["dense_bytes_per_rank"]
         assert 0 < sent < dense / 2, method
         assert res["config"]["sync_every"] == 2
+
+
+# ---------------------------------------------------------------------------
+# Reporting (slimcomm.report): grouping by configuration, plots, logging, the CLI split
+# ---------------------------------------------------------------------------
+
+from slimcomm import report as R  # noqa: E402
+
+
+def _fake_result(method, seed, lr=0.05, accs=(0.70, 0.80, 0.86), stored_key=True, rate=None, label=None):
+    """A results dict shaped like the training command's, with evaluations every 10 steps."""
+    cfg = {"method": method, "model": "mlp", "world_size": 2, "device": "cpu", "threads": 1, "dataset": "auto",
+           "hidden": [48, 48], "epochs": 1, "batch_size": 16, "optimizer": "sgd", "lr": lr, "momentum": 0.0,
+           "seed": seed, "eval_every": 10, "target_acc": 0.85, "out_dir": f"runs/{seed}", "quiet": seed % 2 == 0}
+    evals = [{"step": 10 * (i + 1), "train_time_s": (i + 1) * (1.0 + 0.1 * seed),
+              "bytes_sent_per_rank": (i + 1) * 1000, "test_acc": a + 0.01 * seed} for i, a in enumerate(accs)]
+    r = {"format": R.RESULT_FORMAT, "method": method, "config": cfg, "world_size": 2,
+         "dataset": {"name": "digits"}, "model": {"name": "mlp", "hidden": [48, 48], "num_params": 5962},
+         "steps_per_epoch": 30, "metric": {"name": "test_acc", "goal": "max", "unit": "accuracy"},
+         "evals": evals, "final": dict(evals[-1], bytes_sent_per_rank=evals[-1]["bytes_sent_per_rank"]),
+         "time_to_target": None}
+    if stored_key:
+        r["config_key"] = R.compute_config_key(cfg, "digits")
+    if rate:
+        r["link"] = {"rate": rate}
+    if label:
+        r["label"] = label
+    return r
+
+
+def test_config_key_ignores_seed_and_output_options():
+    a, b = _fake_result("ddp", 0), _fake_result("ddp", 1)
+    assert a["config"]["out_dir"] != b["config"]["out_dir"] and a["config"]["quiet"] != b["config"]["quiet"]
+    assert R.config_key(a) == R.config_key(b)
+    assert R.config_key(_fake_result("ddp", 0, lr=0.1)) != R.config_key(a)
+    assert R.config_key(_fake_result("slimdp", 0)) != R.config_key(a)
+    # an older JSON without a stored key is grouped by its stored args: the same key
+    assert R.config_key(_fake_result("ddp", 2, stored_key=False)) == R.config_key(a)
+    # netbench's link rate separates otherwise identical runs
+    assert R.config_key(_fake_result("ddp", 0, rate="100mbit")) != R.config_key(_fake_result("ddp", 0, rate="1gbit"))
+
+
+def test_group_results_never_mixes_settings():
+    runs = ([_fake_result("ddp", s) for s in (0, 1, 2)]
+            + [_fake_result("slimdp", s, lr=0.6) for s in (0, 1)]
+            + [_fake_result("slimdp", 0, lr=0.2, stored_key=False)])
+    groups = R.group_results(runs)
+    assert [(g.label, len(g.runs)) for g in groups] == [("ddp", 3), ("slimdp, lr 0.6", 2), ("slimdp, lr 0.2", 1)]
+    assert groups[0].seeds == [0, 1, 2]
+    xs, med, lo, hi = R.group_curve(groups[0], "test_acc", "time")
+    assert med == pytest.approx([0.71, 0.81, 0.87]) and lo == pytest.approx([0.70, 0.80, 0.86])
+    assert hi == pytest.approx([0.72, 0.82, 0.88]) and xs == pytest.approx([1.1, 2.2, 3.3])
+
+
+def test_plot_one_median_line_per_configuration(tmp_path):
+    runs = ([_fake_result("ddp", s) for s in (0, 1, 2)]
+            + [_fake_result("slimdp", s, lr=0.6, accs=(0.80, 0.84, 0.85)) for s in (0, 1)]
+            + [_fake_result("slimdp", 0, lr=0.2)])
+    fig = R.build_figure(runs)
+    try:
+        assert len(fig.axes) == 2  # vs time, vs bytes
+        for ax in fig.axes:
+            labels = [t.get_text() for t in ax.get_legend().get_texts()]
+            assert labels == ["ddp (3 seeds)", "slimdp, lr 0.6 (2 seeds)", "slimdp, lr 0.2", "target test acc 0.85"]
+            assert len(ax.get_lines()) == 4  # 3 medians + the target line
+            assert len(ax.collections) == 2  # bands for the groups with more than one seed
+            lo, hi = ax.get_ylim()
+            assert hi - lo >= R.MIN_Y_SPAN - 1e-9 and hi <= 1.0
+        title = fig._suptitle.get_text()
+        assert "digits" in title and "2 ranks" in title and "MLP 48-48" in title and "1 epoch(s)" in title
+        assert "median over seeds" in title
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+    png = R.plot_results(runs, str(tmp_path / "sub" / "p.png"), band="iqr")
+    assert open(png, "rb").read(4) == b"\x89PNG"
+
+
+def test_plot_panels_per_link_rate(tmp_path):
+    runs = [_fake_result(m, s, rate=rate, label=m) for rate in ("100mbit", "1gbit") for m in ("ddp", "slimdp")
+            for s in (0, 1)]
+    fig = R.build_figure(runs, panels=("time", "bytes"), log_time=True)
+    try:
+        assert [ax.get_title() for ax in fig.axes] == ["vs training time, 100mbit per link",
+                                                       "vs training time, 1gbit per link", "vs bytes sent"]
+        for ax in fig.axes:
+            assert [t.get_text() for t in ax.get_legend().get_texts()][:2] == ["ddp (2 seeds)", "slimdp (2 seeds)"]
+    finally:
+        import matplotlib.pyplot as plt
+        plt.close(fig)
+
+
+def test_plot_from_groups_by_configuration(tmp_path, capsys):
+    paths = []
+    for i, r in enumerate([_fake_result("ddp", 0), _fake_result("ddp", 1), _fake_result("slimdp", 0, lr=0.6),
+                           _fake_result("slimdp", 0, lr=0.2, stored_key=False)]):
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps(r))
+        paths.append(str(p))
+    png = tmp_path / "p.png"
+    assert T.main(["--plot", str(png), "--plot-from", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "3 configurations:" in out and "slimdp, lr 0.6: config" in out and "seeds 0, 1" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        T.main(["--plot", "--plot-from", *paths])  # --plot without a path needs a run directory
+
+
+def test_log_level_options(capsys):
+    p = T.build_parser()
+    assert T.log_level(p.parse_args([])) == "INFO"
+    assert T.log_level(p.parse_args(["--quiet"])) == "WARNING"
+    assert T.log_level(p.parse_args(["--quiet", "--log-level", "debug"])) == "DEBUG"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--log-level", "loud"])
+    import logging
+    try:
+        T.setup_logging("INFO", rank=1)
+        assert logging.getLogger().level == logging.WARNING  # ranks other than 0: warnings only
+        T.setup_logging("DEBUG")
+        assert logging.getLogger().level == logging.DEBUG
+    finally:
+        logging.basicConfig(level=logging.WARNING, force=True)
+
+
+def test_help_and_errors_read_cleanly(capsys):
+    with pytest.raises(SystemExit):
+        T.main(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: False)" not in out and "--log-level" in out
+    for line in out.splitlines():
+        assert line.count("default") <= 1, line
+    with pytest.raises(SystemExit):
+        T.main(["--compare", "ddp,bogus"])
+    err = capsys.readouterr().err
+    assert "argument --compare: unknown method(s) ['bogus']" in err and "--compare: --compare" not in err
+
+
+def test_cli_split_keeps_entry_points():
+    """The reporting half lives in slimcomm.report; slimcomm.train still exposes what callers import."""
+    assert T.compare_table is R.compare_table and T.plot_results is R.plot_results
+    assert T.RESULT_FORMAT == R.RESULT_FORMAT
+    import tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"]["slimcomm-train"] == "slimcomm.train:main"
+    r = subprocess.run(_cmd("--version"), env=_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0 and r.stdout.startswith("slimcomm ")
+
+
+def test_single_method_table_has_no_empty_ratio_columns():
+    r = _fake_result("slimdp", 0)
+    s = T.compare_table([r])
+    assert "vs ddp" not in s.splitlines()[0]
+    s2 = T.compare_table([_fake_result("ddp", 0), r])
+    assert "MB vs ddp" in s2.splitlines()[0]
