@@ -85,3 +85,32 @@ def test_adamw_local_example_trains_with_few_bytes(tmp_path):
     assert first < 4.0   # log(vocab ~ 100) = 4.6 at initialisation
     ckpts = sorted(p.name for p in (tmp_path / "runs" / "examples" / "adamw_local").iterdir())
     assert ckpts == ["rank0.pt", "rank1.pt"]
+
+
+def _readme_snippets():
+    """The README's Python blocks that start with '# Save as NAME.py, launch with: torchrun ...'."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    blocks = re.findall(r"```python\n(# Save as (\w+\.py), launch with: (torchrun [^\n]+)\n.*?)```", text, re.S)
+    return [(name, launch, src) for src, name, launch in blocks]
+
+
+def test_readme_has_the_snippets():
+    assert [name for name, _, _ in _readme_snippets()] == ["slimdp_snippet.py", "adamw_snippet.py",
+                                                          "ist_snippet.py"]
+
+
+@pytest.mark.parametrize("name,launch,src", _readme_snippets(), ids=lambda v: v if v.endswith(".py") else "")
+def test_readme_snippet_runs_as_pasted(name, launch, src, tmp_path):
+    """Each API snippet, saved under its own name and launched with its own torchrun line, exits 0."""
+    (tmp_path / name).write_text(src)
+    assert launch == f"torchrun --nproc-per-node 2 {name}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    for _ in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(_free_port()), name]
+        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        if r.returncode == 0 or "address already in use" not in (r.stdout + r.stderr).lower():
+            break
+    assert r.returncode == 0, f"{name} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
