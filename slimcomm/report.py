@@ -482,7 +482,7 @@ def load_result(path: str) -> Dict[str, Any]:
     return r
 
 
-def plot_from(paths: Sequence[str], out_png: str) -> int:
+def plot_from(paths: Sequence[str], out_png: str, band: str = "minmax") -> int:
     """``--plot-from``: print one table row per run (grouped by configuration), write the plot."""
     results = [load_result(p) for p in paths]
     try:
@@ -497,5 +497,5 @@ def plot_from(paths: Sequence[str], out_png: str) -> int:
         print(f"{len(groups)} configurations:")
         for g in groups:
             print(f"  {g.label}: config {g.key}, {len(g.runs)} run(s), seeds {', '.join(map(str, g.seeds))}")
-    print(f"wrote {plot_results(results, out_png)}")
+    print(f"wrote {plot_results(results, out_png, band=band)}")
     return 0

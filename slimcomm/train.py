@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a PNG of the metric (test accuracy or validation loss) vs train time and vs MB "
                         "sent per rank, one median line per configuration; without PNG: plot.png in the "
                         "run directory")
+    g.add_argument("--plot-band", choices=("minmax", "iqr"), default="minmax",
+                   help="band drawn around each configuration's median over seeds: min-max or interquartile range")
     g.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
                    help="with --plot PNG: table and plot of these result files instead of training; runs "
                         "are grouped by configuration (same settings, any seed: one median line with a "
@@ -1246,7 +1248,7 @@ def _train(rank, world_size, args, device, backend):
     model_info = task.model_info()
     model_info["num_params"] = method.num_params
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()
-              if k not in ("compare", "plot_from")}
+              if k not in ("compare", "plot_from", "plot_band")}
     dataset_info = task.describe()
     result = {
         "format": RESULT_FORMAT,
@@ -1352,7 +1354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error("--plot-from needs --plot OUT.png")
         from .report import plot_from
 
-        return plot_from(args.plot_from, args.plot)
+        return plot_from(args.plot_from, args.plot, band=args.plot_band)
     _resolve_launch(args)
     if args.out_dir is None:
         args.out_dir = os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
@@ -1389,7 +1391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(f"wrote {args.out}")
     if plot:
-        print(f"wrote {plot_results(results, plot)}")
+        print(f"wrote {plot_results(results, plot, band=args.plot_band)}")
     return 0
 
 

@@ -652,7 +652,7 @@ def test_plot_from_groups_by_configuration(tmp_path, capsys):
         p.write_text(json.dumps(r))
         paths.append(str(p))
     png = tmp_path / "p.png"
-    assert T.main(["--plot", str(png), "--plot-from", *paths]) == 0
+    assert T.main(["--plot", str(png), "--plot-band", "iqr", "--plot-from", *paths]) == 0
     out = capsys.readouterr().out
     assert "3 configurations:" in out and "slimdp, lr 0.6: config" in out and "seeds 0, 1" in out
     assert png.read_bytes()[:4] == b"\x89PNG"
