@@ -68,3 +68,47 @@ def test_bad_seeds_are_refused(argv, msg, capsys, monkeypatch):
         netbench.main(argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def _committed(name, rates, methods, seeds):
+    import json
+
+    d = os.path.join(REPO, "bench", "results", name)
+    return {rate: {m: [json.load(open(os.path.join(d, f"{rate}_{m}{'' if s is None else f'_s{s}'}.json")))
+                       for s in seeds] for m in methods} for rate in rates}
+
+
+def test_plot_uses_the_shared_median_band_figure(tmp_path, monkeypatch):
+    """netbench.plot draws through slimcomm.report: one panel per rate, one median line + band per method."""
+    from slimcomm import report
+
+    results = _committed("netbench_2ranks", ["1gbit", "100mbit"], ["ddp", "slimdp", "ist"], [0, 1, 2])
+    figs = []
+    real = report.build_figure
+    monkeypatch.setattr(report, "build_figure", lambda *a, **k: figs.append(real(*a, **k)) or figs[-1])
+    png = tmp_path / "nb.png"
+    netbench.plot(results, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    fig = figs[0]
+    assert [ax.get_title() for ax in fig.axes] == ["vs training time, 1gbit per link",
+                                                   "vs training time, 100mbit per link"]
+    for ax in fig.axes:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels == ["ddp (3 seeds)", "slimdp (3 seeds)", "ist (3 seeds)", "target test acc 0.85"]
+        assert len(ax.collections) == 3 and ax.get_xscale() == "log"
+    assert "fashion-mnist" in fig._suptitle.get_text() and "2 ranks" in fig._suptitle.get_text()
+
+
+def test_plot_lm_labels_ddp_final_loss(tmp_path, monkeypatch):
+    from slimcomm import report
+
+    results = _committed("netbench_gpt_2ranks", ["100mbit"], ["ddp", "slimdp-local"], [None])
+    figs = []
+    real = report.build_figure
+    monkeypatch.setattr(report, "build_figure", lambda *a, **k: figs.append(real(*a, **k)) or figs[-1])
+    netbench.plot_lm(results, str(tmp_path / "lm.png"))
+    ax_time, ax_bytes = figs[0].axes
+    target = results["100mbit"]["ddp"][0]["final"]["val_loss"]
+    assert [t.get_text() for t in ax_bytes.get_legend().get_texts()] == [
+        "ddp", "slimdp-local", f"ddp's final val loss {target:.3f}"]
+    assert "100mbit per link" in figs[0]._suptitle.get_text()
