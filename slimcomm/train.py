@@ -3,7 +3,8 @@
 Trains one of three workloads (:mod:`slimcomm.workloads`) with ``world_size``
 ranks and one of the communication methods below, writes a results JSON per
 run, and can compare methods in one table and plot the metric against wall
-time and bytes:
+time and bytes (the tables, plots and ``--plot-from`` live in
+:mod:`slimcomm.report`; this module trains):
 
 ========== ===================================================================
 ``--model``   workload
