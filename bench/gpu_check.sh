@@ -32,8 +32,9 @@
 # text: this README.
 #
 # Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0),
-# MAX_JOBS (default 16), GPU_CHECK_BUDGET_S (default 450: total seconds, the
-# build included; stages that find less than 15 s left are skipped).
+# MAX_JOBS (default 16), GPU_CHECK_BUDGET_S (default 450 on cuda, 1500 on cpu:
+# total seconds, the build included; stages that find less than 15 s left are
+# skipped).
 # Exit status: 0 when the build (cuda) and every test stage passed, 1 otherwise.
 set -uo pipefail
 
@@ -61,7 +62,10 @@ export NVCC_THREADS=${NVCC_THREADS:-2}
 export SLIMCOMM_FORCE_CUDA=1
 # torch finds the toolkit itself (CUDA_HOME, else nvcc on PATH, else /usr/local/cuda).
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+# A CPU dry run is slower and smaller: stage limits x4, fewer steps, a longer budget.
+if [ "$DEVICE" = cpu ]; then SCALE=4; DEF_BUDGET=1500; else SCALE=1; DEF_BUDGET=450; fi
+BUDGET=${GPU_CHECK_BUDGET_S:-$DEF_BUDGET}
+export PYTHONUNBUFFERED=1  # stage logs keep what ran before a timeout
 T0=$(date +%s)
 
 names=() ; codes=() ; secs=() ; notes=()
@@ -69,7 +73,7 @@ names=() ; codes=() ; secs=() ; notes=()
 # stage NAME LIMIT_S CMD...: runs CMD with a time limit of min(LIMIT_S, what is
 # left of the budget), output to the terminal and OUTDIR/NAME.log.
 stage() {
-  local name=$1 limit=$2
+  local name=$1 limit=$(( $2 * SCALE ))
   shift 2
   local left=$(( BUDGET - ($(date +%s) - T0) ))
   if [ "$left" -lt 15 ]; then
@@ -178,8 +182,8 @@ if [ "$built" = 1 ]; then
   fi
   # Host syncs of the hot paths (skipped parts without a GPU run their CPU variants).
   stage host_sync 90 "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_host_sync.py
-  HO=(bench/hook_overhead.py --device "$DEVICE" --steps 20 --warmup 4 --timeout 120)
-  [ "$DEVICE" = cpu ] && HO+=(--sizes 784,256,10)
+  HO=(bench/hook_overhead.py --device "$DEVICE" --timeout $(( 120 * SCALE )))
+  if [ "$DEVICE" = cpu ]; then HO+=(--sizes 784,256,10 --steps 6 --warmup 3); else HO+=(--steps 20 --warmup 4); fi
   stage hook_gloo2 60 "$PY" "${HO[@]}" --world-size 2 --backend gloo --out "$OUT/hook_gloo2/hook_overhead.md"
   if [ "$DEVICE" = cuda ]; then
     stage hook_nccl1 45 "$PY" "${HO[@]}" --world-size 1 --backend nccl --out "$OUT/hook_nccl1/hook_overhead.md"
@@ -188,20 +192,21 @@ if [ "$built" = 1 ]; then
   fi
   # NCCL needs one GPU per rank: world size 1 on the one GPU (gloo on CPU: 2 ranks).
   WS=1; [ "$DEVICE" = cpu ] && WS=2
-  TR=("$PY" -m slimcomm.train --device "$DEVICE" --world-size "$WS" --timeout 100)
+  TR=("$PY" -m slimcomm.train --device "$DEVICE" --world-size "$WS" --timeout $(( 100 * SCALE )))
+  S_MLP=300; S_GPT=200; [ "$DEVICE" = cpu ] && { S_MLP=40; S_GPT=20; }
   stage train_mlp 60 "${TR[@]}" --method slimdp --model mlp "${TRAIN_DATA[@]}" --hidden 256,256 \
-    --steps 300 --eval-every 100 --out "$OUT/train_mlp.json"
-  stage train_gpt 75 "${TR[@]}" --method slimdp --model gpt --text-file README.md --steps 200 \
+    --steps $S_MLP --eval-every $(( S_MLP / 2 )) --out "$OUT/train_mlp.json"
+  stage train_gpt 75 "${TR[@]}" --method slimdp --model gpt --text-file README.md --steps $S_GPT \
     --n-layer 2 --n-embd 64 --n-head 2 --block-size 64 --out "$OUT/train_gpt.json"
   stage train_ist 45 "${TR[@]}" --method ist --model mlp "${TRAIN_DATA[@]}" --hidden 256,256 \
-    --steps 300 --eval-every 100 --out "$OUT/train_ist.json"
+    --steps $S_MLP --eval-every $(( S_MLP / 2 )) --out "$OUT/train_ist.json"
   if [ "$DEVICE" = cuda ]; then
     # The acceptance case first (N=1e8 fp32, k=1%), then the wider grid.
     stage bench_1e8 45 "$PY" bench/kernels.py --device cuda --sizes 1e8 --densities 0.01 \
       --repeats 9 --out "$OUT/bench-1e8-fp32"
   else
-    stage bench_1e6 60 "$PY" bench/kernels.py --device cpu --sizes 1e6 --densities 0.01 \
-      --ops significance_topk,pack --repeats 3 --no-peak --out "$OUT/bench-1e6-cpu"
+    stage bench_1e6 15 "$PY" bench/kernels.py --device cpu --sizes 1e6 --densities 0.01 \
+      --ops significance_topk,pack --repeats 3 --no-peak --tied "" --out "$OUT/bench-1e6-cpu"
   fi
   stage test_ops 60 "$PY" -m pytest -x -q -p no:cacheprovider --continue-on-collection-errors $(ls tests/test_ops*.py | grep -v test_ops_cuda.py)
   if [ "$DEVICE" = cuda ]; then

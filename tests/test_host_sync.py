@@ -6,7 +6,11 @@ runs under ``torch.cuda.set_sync_debug_mode("error")``: any
 ``cudaStreamSynchronize``, blocking device-to-host copy or ``.item()`` -- in
 Python, in ATen or inside the extension's kernels -- raises. The group is
 NCCL at world size 1 (gloo moves CUDA tensors through the host with its own
-stream synchronisations, which the debug mode would flag). A second CUDA
+stream synchronisations, which the debug mode would flag). The ranks run with
+``SLIMCOMM_CUDA_CHECKS=device``: the ops then validate index VALUES on the
+device (a trap on a bad one) instead of reading the check's result back, the
+one host sync the CUDA kernels keep by default (csrc/cuda/cuda_utils.cuh);
+a separate test checks that such a bad index does stop the stream. A second CUDA
 test runs the hook and IST on CUDA tensors with 2 processes on one GPU over
 gloo and checks that the replicas agree.
 
@@ -151,8 +155,10 @@ def _ist_body(rank, world_size, device, rounds=4, local_steps=2):
                 state={k: v.detach().cpu() for k, v in model.state_dict().items()})
 
 
-def _run(body, device, *args, world_size=1):
+def _run(body, device, *args, world_size=1, monkeypatch=None):
     backend = "nccl" if device == "cuda" and world_size == 1 else "gloo"
+    if device == "cuda":  # read by the spawned ranks' extension at its first check
+        monkeypatch.setenv("SLIMCOMM_CUDA_CHECKS", "device")
     return run_workers(body, world_size, device, *args, timeout=240, backend=backend)
 
 
@@ -161,22 +167,22 @@ DEVICES = ["cuda"] if CUDA else ["cpu"]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["shared", "local"])
-def test_hook_steady_steps_have_no_host_sync(device, mode):
-    res = _run(_hook_body, device, mode)[0]
+def test_hook_steady_steps_have_no_host_sync(device, mode, monkeypatch):
+    res = _run(_hook_body, device, mode, monkeypatch=monkeypatch)[0]
     assert len(res["checked"]) >= 5, res["checked"]   # compressed and refresh steps
     assert res["syncs"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compression", ["shared", "local"])
-def test_optimizer_sync_has_no_host_sync(device, compression):
-    res = _run(_opt_body, device, compression)[0]
+def test_optimizer_sync_has_no_host_sync(device, compression, monkeypatch):
+    res = _run(_opt_body, device, compression, monkeypatch=monkeypatch)[0]
     assert res["checked"] >= 4 and res["syncs"] == 0, res
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_ist_synchronize_has_no_host_sync(device):
-    res = _run(_ist_body, device)[0]
+def test_ist_synchronize_has_no_host_sync(device, monkeypatch):
+    res = _run(_ist_body, device, monkeypatch=monkeypatch)[0]
     assert res["checked"] == 4 and res["syncs"] == 0, res
 
 
@@ -225,3 +231,32 @@ def _ist_body_plain(rank, world_size):
         trainer.step(x, y, nn.functional.cross_entropy)
     dist.barrier()
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def _bad_index_body(rank, world_size, op):
+    from slimcomm import ops
+    dev = _device("cuda")
+    x = torch.randn(100, device=dev)
+    bad = torch.tensor([3, 100], device=dev)
+    try:
+        if op == "pack":
+            ops.pack(x, bad)
+        elif op == "unpack":
+            ops.unpack(x, bad, torch.ones(2, device=dev))
+        else:
+            ops.explore_sample(50, torch.tensor([7, 7], device=dev), 3, 0, 0)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@needs_cuda
+@pytest.mark.parametrize("op", ["pack", "unpack", "explore_sample"])
+def test_device_checks_stop_the_stream_on_a_bad_value(op, monkeypatch):
+    """SLIMCOMM_CUDA_CHECKS=device: no host sync, but a bad index still never passes
+    silently: the device traps and the next synchronisation raises (the CUDA
+    context is lost, so each case runs in its own process)."""
+    monkeypatch.setenv("SLIMCOMM_CUDA_CHECKS", "device")
+    err = run_workers(_bad_index_body, 1, op, timeout=120)[0]
+    assert err is not None and "CUDA" in err, err
