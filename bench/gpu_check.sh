@@ -87,7 +87,9 @@ stage() {
   local rc=${PIPESTATUS[0]}
   local d=$(( $(date +%s) - s ))
   local note
-  note=$(grep -E "(passed|failed|error|skipped|no tests ran)( |,|$)" "$OUT/$name.log" | tail -1 | cut -c1-90)
+  # pytest's summary line, else the stage's last line
+  note=$(grep -E "[0-9]+ (passed|failed|errors?|skipped)|no tests ran" "$OUT/$name.log" | tail -1 | cut -c1-90)
+  [ -n "$note" ] || note=$(grep -v "^\s*$" "$OUT/$name.log" | tail -1 | cut -c1-90)
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && note="TIMED OUT after ${limit} s; $note"
   names+=("$name"); codes+=("$rc"); secs+=("$d"); notes+=("$note")
   return 0
@@ -125,7 +127,7 @@ summary() {
 
 {
   echo "host: $(hostname)  nproc: $(nproc)  device: $DEVICE"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi"
+  if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1; else echo "no nvidia-smi"; fi
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| torch CUDA', torch.version.cuda, '| available', torch.cuda.is_available(), '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
   nvcc --version 2>/dev/null | tail -2 || echo "no nvcc"
 } 2>&1 | tee "$OUT/env.log"
