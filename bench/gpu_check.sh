@@ -8,7 +8,8 @@
 #   env         GPU name, driver, python/torch/CUDA versions, nvcc (OUTDIR/env.log)
 #   build       the extension in place with the machine's own python3 and torch
 #   info        python -m slimcomm.info (the build's CUDA flag)
-#   test_cuda   CPU == CUDA on every op (tests/test_ops_cuda.py, every failure listed)
+#   test_cuda   CPU == CUDA on every op (tests/test_ops_cuda.py, every failure listed),
+#               also with the device-side fallbacks forced (tests/test_cuda_fallbacks.py)
 #   host_sync   tests/test_host_sync.py: hook (shared, local), SlimDPOptimizer and
 #               ISTTrainer.synchronize under torch.cuda.set_sync_debug_mode("error")
 #               (NCCL, world size 1), and the hook / IST on CUDA tensors over gloo
@@ -178,7 +179,7 @@ if [ "$built" = 1 ]; then
   stage info 30 "$PY" -m slimcomm.info
   if [ "$DEVICE" = cuda ]; then
     # CPU == CUDA on every op, every failure listed (not -x: this is the verification).
-    stage test_cuda 120 "$PY" -m pytest -q -p no:cacheprovider -rfE --maxfail=30 tests/test_ops_cuda.py
+    stage test_cuda 120 "$PY" -m pytest -q -p no:cacheprovider -rfE --maxfail=30 tests/test_ops_cuda.py tests/test_cuda_fallbacks.py
   else
     skip test_cuda "--device cpu"
   fi

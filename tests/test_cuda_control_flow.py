@@ -72,7 +72,7 @@ def test_topk_bracket_device_decision_every_path(kind):
         kth = np.sort(keys)[k - 1]
         for thr in {int(kth), int(kth) + 1, int(kth) + 1000, 0, 2**32 - 1}:
             thr = min(thr, 2**32 - 1)
-            for cap in (k, k + 5, n):
+            for cap in (max(1, k // 2), k, k + 5, n):  # k // 2: SLIMCOMM_CUDA_TEST_FALLBACKS
                 got, path = topk_bracket_emulated(keys, k, np.uint32(thr), cap)
                 np.testing.assert_array_equal(got, ref, err_msg=f"{kind} k={k} thr={thr} cap={cap}")
                 seen.add(path)
@@ -134,7 +134,7 @@ def test_explore_device_fallback_equals_definition(n, m):
     expect = -a * np.log1p(-t / a)
     M_cuda = max(t, int(np.ceil(expect + 8 * np.sqrt(expect) + 64)))
     paths = set()
-    for M in (M_cuda, t, t + 3, max(1, t // 2), 1):
+    for M in (M_cuda, t, t + 3, max(1, t // 2), 1):  # t // 2: SLIMCOMM_CUDA_TEST_FALLBACKS
         got, fb = explore_large_emulated(n, exclude, m, 11, 5, M)
         np.testing.assert_array_equal(got, ref, err_msg=f"M={M}")
         paths.add(fb)

@@ -101,6 +101,18 @@ void dispatch_values(at::ScalarType st, Fn&& fn) {
   }
 }
 
+// Tests only (tests/test_cuda_fallbacks.py): environment SLIMCOMM_CUDA_TEST_FALLBACKS=1,
+// read once per process, shrinks the top-k candidate buffer to k / 2 and the
+// explore draws to t / 2, so that the device-side fallbacks, otherwise beyond 8
+// standard deviations, run; results must not change.
+inline bool test_fallbacks() {
+  static const bool on = [] {
+    const char* v = std::getenv("SLIMCOMM_CUDA_TEST_FALLBACKS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
 // Number of bits needed to represent every value in [0, n).
 inline int bits_for(int64_t n) {
   int b = 1;
@@ -591,8 +603,9 @@ at::Tensor topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t ra
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // About n (rank+1)/kSample keys pass, with a relative spread of 1/sqrt(rank+1).
   const double expect = static_cast<double>(n) * (rank + 1) / kSample;
-  const int64_t cap = std::min<int64_t>(
+  int64_t cap = std::min<int64_t>(
       n, static_cast<int64_t>(expect * (1.0 + 8.0 / std::sqrt(rank + 1.0))) + 1024);
+  if (test_fallbacks()) cap = std::max<int64_t>(1, k / 2);  // tests: force the rare paths
   // Unused slots hold the all-ones sentinel, which sorts after every candidate
   // (a candidate's key is below the threshold, so its high word is < 2^32 - 1).
   at::Tensor cand = at::full({cap}, -1, i64);
@@ -1091,6 +1104,7 @@ void explore_large(int64_t n, int64_t lo, const int64_t* ex, int64_t ne, int64_t
   int64_t M = std::max<int64_t>(
       t, static_cast<int64_t>(std::ceil(expect + 8.0 * std::sqrt(expect) + 64.0)));
   M = std::min<int64_t>(M, kIdx32);  // draw numbers fit in the low 32 bits of a key
+  if (test_fallbacks()) M = std::max<int64_t>(1, t / 2);  // tests: force the fallback
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
   at::Tensor keys = at::empty({M}, i64);
   at::Tensor sorted = at::empty({M}, i64);
