@@ -16,6 +16,17 @@ optimizer step) over ``--steps`` timed steps after ``--warmup`` untimed ones
 rank puts into collectives per step (dense: 4 x numel; PowerSGD: dense / its
 compression rate; Slim-DP: ``state.stats["last"]["bytes_sent"]``).
 
+``hook ops/step`` and ``host syncs/step`` count every dispatched ATen op and
+every ``aten._local_scalar_dense`` inside the comm hook
+(:class:`slimcomm._opcount.OpCounter`, untimed steps); ``hook ms/step`` is
+the time spent inside the hook per step, collectives made synchronous (so it
+includes the collective), from CUDA events on ``--device cuda`` and the host
+clock on CPU.
+
+``--device cuda`` puts the model and data on the GPU (rank r on device
+``r % device_count``; two ranks may share one GPU over gloo); ``--backend
+nccl`` needs one GPU per rank (at world size 1 on a one-GPU machine).
+
 A second table times every stage of the shared hook in isolation on one rank
 (same flat layout, same thread count), plus gloo all-reduce of the dense
 gradient and of the packed Slim-DP buffer, so a slow step can be attributed.
@@ -75,6 +86,10 @@ def parse_args(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model, data and hook run (default: %(default)s)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="process group backend (nccl: --device cuda, one GPU per rank)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     p.add_argument("--results-dir", metavar="DIR", default=os.path.join(REPO, "bench", "out"),
                    help="directory of hook_overhead-<date>.md (default bench/out/, ignored by git; "
@@ -91,6 +106,8 @@ def parse_args(argv=None):
     for name in ("batch", "steps", "threads", "world_size", "core_refresh", "powersgd_rank"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.backend == "nccl" and args.device != "cuda":
+        p.error("--backend nccl needs --device cuda")
     if args.warmup < 3:
         p.error("--warmup must be >= 3 (Slim-DP's dense warm-up is 2 steps)")
     return args
@@ -105,15 +122,28 @@ def make_mlp(sizes):
     return nn.Sequential(*layers)
 
 
+def device_of(rank, args):
+    if args.device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def sync_device(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 class Runner:
     """One method's DDP model, hook and optimizer; ``step()`` returns seconds."""
 
     def __init__(self, method, rank, args):
         torch.manual_seed(0)
         self.method = method
-        self.model = make_mlp(args.sizes)
+        self.dev = device_of(rank, args)
+        self.model = make_mlp(args.sizes).to(self.dev)
         self.numel = sum(p.numel() for p in self.model.parameters())
-        self.ddp = DDP(self.model, bucket_cap_mb=args.bucket_cap_mb)
+        self.ddp = DDP(self.model, bucket_cap_mb=args.bucket_cap_mb,
+                       device_ids=[self.dev.index] if self.dev.type == "cuda" else None)
         self.state = None
         if method == "powersgd":
             self.state = psgd.PowerSGDState(
@@ -128,21 +158,56 @@ class Runner:
             self.ddp.register_comm_hook(self.state, self._counted(slim_dp_hook))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
-        self.data = [(torch.randn(args.batch, args.sizes[0], generator=g),
-                      torch.randint(0, args.sizes[-1], (args.batch,), generator=g))
+        self.data = [(torch.randn(args.batch, args.sizes[0], generator=g).to(self.dev),
+                      torch.randint(0, args.sizes[-1], (args.batch,), generator=g).to(self.dev))
                      for _ in range(4)]
         self.i = 0
         self.times, self.sent = [], []
         self.counter = None  # an OpCounter while count() runs
-        self.ops_step = self.syncs_step = None
+        self.spans = None    # (start, end) per hook call while time_hook() runs
+        self.ops_step = self.syncs_step = self.hook_ms = None
 
     def _counted(self, hook):
         def wrapped(state, bucket):
+            if self.spans is not None:
+                return self._timed(hook, state, bucket)
             if self.counter is None:
                 return hook(state, bucket)
             with self.counter:
                 return hook(state, bucket)
         return wrapped
+
+    def _timed(self, hook, state, bucket):
+        if self.dev.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fut = hook(state, bucket)
+            end.record()
+        else:
+            start = time.perf_counter()
+            fut = hook(state, bucket)
+            end = time.perf_counter()
+        self.spans.append((start, end))
+        return fut
+
+    def time_hook(self, steps=5):
+        """Median milliseconds per step spent inside the comm hook (collectives made
+        synchronous, so the futures' callbacks and the collective are inside it):
+        CUDA events on the current stream on a GPU, the host clock on CPU."""
+        if self.state is None:
+            return
+        per_step = []
+        with synchronous_collectives(compressor):
+            for _ in range(steps):
+                self.spans = []
+                self.step(record=False)
+                sync_device(self.dev)
+                if self.dev.type == "cuda":
+                    per_step.append(sum(a.elapsed_time(b) for a, b in self.spans))
+                else:
+                    per_step.append(1e3 * sum(b - a for a, b in self.spans))
+        self.spans = None
+        self.hook_ms = statistics.median(per_step)
 
     def count(self, steps=3):
         """Dispatched ops and host syncs (``aten._local_scalar_dense``) per step inside
@@ -161,10 +226,12 @@ class Runner:
     def step(self, record):
         x, y = self.data[self.i % len(self.data)]
         self.i += 1
+        sync_device(self.dev)
         t0 = time.perf_counter()
         self.opt.zero_grad()
         nn.functional.cross_entropy(self.ddp(x), y).backward()
         self.opt.step()
+        sync_device(self.dev)
         dt = time.perf_counter() - t0
         if record:
             self.times.append(dt)
@@ -182,7 +249,7 @@ class Runner:
         return dict(method=self.method, median=statistics.median(self.times),
                     mean=statistics.mean(self.times), bytes=bytes_step,
                     dense_bytes=dense_bytes, numel=self.numel, ops=self.ops_step,
-                    syncs=self.syncs_step)
+                    syncs=self.syncs_step, hook_ms=self.hook_ms)
 
 
 def run_all(rank, args, block=5):
@@ -201,32 +268,44 @@ def run_all(rank, args, block=5):
         done += n
     for r in runners:
         r.count()
+        r.time_hook()
     return [r.result() for r in runners]
 
 
-def time_allreduce(n, reps=10):
-    t = torch.randn(n)
+def time_allreduce(n, dev, reps=10):
+    t = torch.randn(n, device=dev)
     dist.all_reduce(t)
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         dist.all_reduce(t)
+        sync_device(dev)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
 
-def _timeit(fn, reps=10):
+def _timeit(fn, reps=10, dev=torch.device("cpu")):
     fn()
     ts = []
     for _ in range(reps):
+        sync_device(dev)
         t0 = time.perf_counter()
         fn()
+        sync_device(dev)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
 
-def breakdown(args):
+def breakdown(args, dev=torch.device("cpu")):
     """Per-stage cost of the shared hook on the model's flat gradient, one rank."""
+    with torch.device(dev):
+        return _breakdown(args, dev)
+
+
+def _breakdown(args, dev):
+    def _timeit_dev(fn, reps=10):
+        return _timeit(fn, reps, dev)
+
     torch.manual_seed(0)
     params = list(make_mlp(args.sizes).parameters())
     numels = [p.numel() for p in params]
@@ -268,18 +347,18 @@ def breakdown(args):
         return flat
 
     rows = [
-        ("acc = residual + grad (torch.add)", _timeit(lambda: torch.add(residual, grad, out=spare)), 1),
-        ("non-finite flags (segment_reduce)", _timeit(flags), 1),
-        ("ops.explore_sample_segmented", _timeit(
+        ("acc = residual + grad (torch.add)", _timeit_dev(lambda: torch.add(residual, grad, out=spare)), 1),
+        ("non-finite flags (segment_reduce)", _timeit_dev(flags), 1),
+        ("ops.explore_sample_segmented", _timeit_dev(
             lambda: ops.explore_sample_segmented(offsets, core, core_offsets, ms, 0, rng)), 1),
-        ("ops.pack + divide + cat flags", _timeit(
+        ("ops.pack + divide + cat flags", _timeit_dev(
             lambda: torch.cat([ops.pack(spare, idx).div_(2), torch.zeros(len(numels))])), 1),
-        ("ops.unpack zeros into acc (residual)", _timeit(lambda: ops.unpack(spare, idx, zeros)), 1),
-        ("bucket.zero_()", _timeit(lambda: grad.zero_()), 1),
-        ("ops.unpack averaged values into bucket", _timeit(lambda: ops.unpack(grad, idx, vals)), 1),
-        ("ops.unpack into G", _timeit(lambda: ops.unpack(G, idx, vals)), 1),
-        ("flat weight copy (refresh steps only)", _timeit(flat_w, 3), args.core_refresh),
-        ("ops.significance_topk_segmented (refresh only)", _timeit(
+        ("ops.unpack zeros into acc (residual)", _timeit_dev(lambda: ops.unpack(spare, idx, zeros)), 1),
+        ("bucket.zero_()", _timeit_dev(lambda: grad.zero_()), 1),
+        ("ops.unpack averaged values into bucket", _timeit_dev(lambda: ops.unpack(grad, idx, vals)), 1),
+        ("ops.unpack into G", _timeit_dev(lambda: ops.unpack(G, idx, vals)), 1),
+        ("flat weight copy (refresh steps only)", _timeit_dev(flat_w, 3), args.core_refresh),
+        ("ops.significance_topk_segmented (refresh only)", _timeit_dev(
             lambda: ops.significance_topk_segmented(w, G, offsets, ks), 3), args.core_refresh),
     ]
     return rows, K, N
@@ -288,14 +367,19 @@ def breakdown(args):
 def worker(rank, world_size, args, init_file, q):
     try:
         torch.set_num_threads(args.threads)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+        if args.device == "cuda":
+            torch.cuda.set_device(device_of(rank, args))
+        dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=args.timeout))
         results = run_all(rank, args)
         n = results[0]["numel"]
         k = sum(k + m for k, m, _ in (selection_sizes(p.numel(), args.core_ratio, args.explore_ratio)
                                       for p in make_mlp(args.sizes).parameters()))
-        comm = dict(dense=time_allreduce(n), sparse=time_allreduce(k + 3))
-        bd = breakdown(args) if rank == 0 else None
+        dev = device_of(rank, args)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        comm = dict(dense=time_allreduce(n, dev), sparse=time_allreduce(k + 3, dev))
+        bd = breakdown(args, dev) if rank == 0 else None
         dist.destroy_process_group()
         q.put((rank, "ok", (results, comm, bd)))
     except BaseException:  # noqa: BLE001
@@ -345,11 +429,12 @@ def main(argv=None):
             f"{r['bytes'] / 1e6:.3f}", f"{100 * r['bytes'] / r['dense_bytes']:.2f}%",
             "-" if r["ops"] is None else f"{r['ops']:.0f}",
             "-" if r["syncs"] is None else f"{r['syncs']:.0f}",
+            "-" if r["hook_ms"] is None else f"{r['hook_ms']:.2f}",
         ])
     method_md = tabulate(table, headers=["method", "median step (ms)", "mean step (ms)",
                                          "vs dense (median)", "MB sent/rank/step",
                                          "% of dense bytes", "hook ops/step",
-                                         "host syncs/step"], tablefmt="github")
+                                         "host syncs/step", "hook ms/step"], tablefmt="github")
     bd = [[name, f"{t * 1e3:.3f}", every, f"{t * 1e3 / every:.3f}"] for name, t, every in bd_rows]
     bd.append(["gloo all_reduce, dense gradient", f"{comm['dense'] * 1e3:.3f}", 1,
                f"{comm['dense'] * 1e3:.3f}"])
@@ -358,13 +443,15 @@ def main(argv=None):
     bd_md = tabulate(bd, headers=["stage (shared mode)", "ms per call", "every n steps",
                                   "ms per step"], tablefmt="github")
     numel = results[0]["numel"]
+    gpu = f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else ""
     today = datetime.date.today().isoformat()
     text = f"""# Slim-DP hook overhead ({today})
 
 Command: `{' '.join([os.path.relpath(sys.argv[0], REPO)] + (argv if argv is not None else sys.argv[1:]))}`
 
-Setup: {args.world_size} ranks, gloo over loopback, {args.threads} torch thread(s) per rank,
-{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}.
+Setup: {args.world_size} ranks, {args.backend} over loopback, {args.threads} torch thread(s) per rank,
+{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__},
+device {args.device}{gpu}.
 MLP {'-'.join(map(str, args.sizes))} ({numel:,} parameters), batch {args.batch} per rank,
 SGD momentum 0.9, bucket_cap_mb {args.bucket_cap_mb}. Slim-DP: core {args.core_ratio},
 explore {args.explore_ratio}, core_refresh {args.core_refresh}, warm-up 2 steps;

@@ -28,9 +28,12 @@ peak memory as multiples of the random row's (same N, density, run).
 
 Columns: ``ms`` (median of the op), ``GB/s`` (bytes every op must move --
 inputs read once, outputs written once -- divided by ``ms``), ``ref ms``,
-``speedup`` (= ref ms / ms). With ``--device cuda`` also ``copy %``: the op's
-GB/s as a fraction of a device-to-device copy moving the same number of bytes
-(times with CUDA events).
+``speedup`` (= ref ms / ms). With ``--device cuda`` also ``copy ms`` (a
+device-to-device copy moving the same number of bytes, the bandwidth floor)
+and ``copy %``: the op's GB/s as a fraction of that copy's (times with CUDA
+events). For significance_topk the reference is the ``torch.topk`` path. A
+``cub::DeviceTopK`` column needs a CUB that has it (CCCL 3.1+; the CUDA 13.0
+toolkit's does not): the result header says whether the toolkit has one.
 
 Writes ``<out>/<device>-kernels-<YYYY-MM-DD>.md`` and ``.json`` (with torch
 version, thread count, CPU / GPU model) and prints the table.
@@ -380,7 +383,22 @@ def machine_info(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+        info["cub_device_topk"] = cub_device_topk()
     return info
+
+
+def cub_device_topk() -> str:
+    """Whether the CUDA toolkit's CUB has ``cub::DeviceTopK`` (CCCL >= 3.1; not in the
+    CUDA 13.0 toolkit): the header's path, or a note. slimcomm does not build
+    against it; the column stays empty until a toolkit ships it."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    roots = [r for r in (CUDA_HOME, os.environ.get("CUDA_HOME"), "/usr/local/cuda") if r]
+    for root in roots:
+        for sub in ("include/cub/device/device_topk.cuh", "include/cccl/cub/device/device_topk.cuh"):
+            path = os.path.join(root, sub)
+            if os.path.exists(path):
+                return path
+    return "absent from this toolkit's CUB (" + ", ".join(sorted(set(roots))) + ")"
 
 
 def fmt_n(n: int) -> str:
@@ -395,7 +413,7 @@ def fmt_n(n: int) -> str:
 def table(rows: List[Row], cuda: bool):
     headers = ["op", "N", "k/N", "count", "ms", "GB/s", "ref ms", "speedup"]
     if cuda:
-        headers.append("copy %")
+        headers += ["copy ms", "copy %"]
     peaks = any(r.peak_mb is not None for r in rows)
     if peaks:
         headers += ["peak MB", "ref peak MB", "vs random (time, memory)"]
@@ -404,7 +422,8 @@ def table(rows: List[Row], cuda: bool):
         line = [r.op, fmt_n(r.n), f"{r.density:g}", r.count, f"{r.ms:.3f}", f"{r.gbps:.2f}",
                 f"{r.ref_ms:.3f}", f"{r.speedup:.1f}x"]
         if cuda:
-            line.append("" if r.copy_frac is None else f"{100 * r.copy_frac:.0f}%")
+            line += ["" if r.copy_frac is None else f"{r.copy_frac * r.ms:.3f}",
+                     "" if r.copy_frac is None else f"{100 * r.copy_frac:.0f}%"]
         if peaks:
             line += ["" if r.peak_mb is None else f"{r.peak_mb:.1f}",
                      "" if r.ref_peak_mb is None else f"{r.ref_peak_mb:.1f}",
@@ -557,7 +576,8 @@ def main(argv=None) -> int:
             f.write(f"# slimcomm kernels on {device.type}, {info['date']}\n\n")
             f.write(f"`{meta['command']}` -- torch {info['torch']}, {info['threads']} threads "
                     f"({info['cpu_count']} CPUs, {info['cpu']}"
-                    + (f"; GPU {info['gpu']}" if "gpu" in info else "")
+                    + (f"; GPU {info['gpu']}; CUB DeviceTopK: {info['cub_device_topk']}"
+                       if "gpu" in info else "")
                     + f"), dtype {args.dtype}, median of {args.repeats} alternating op/reference "
                     f"repeats after {args.warmup} warm-up, git {info['git_commit']}. "
                     f"Load average (1 min) {meta['loadavg_start'][0]:.1f} at the start, "

@@ -628,8 +628,9 @@ class ISTTrainer:
        own data, with no communication, using a fresh optimizer from
        ``optimizer_factory(subnet.parameters())``;
     3. :meth:`synchronize` (called automatically after ``local_steps`` steps)
-       packs the rank's trained slices with
-       :func:`slimcomm.ops.gather_slices_multi` into one flat buffer, padded to
+       sends the rank's trained slices as one flat buffer (the subnet's
+       tensors are views of it, filled by
+       :func:`slimcomm.ops.gather_slices_multi` at the start of the round), padded to
        the largest rank's size (known to every rank from the shared
        partition, so no size exchange), runs ONE ``all_gather``, and writes
        every rank's slices into the full model with
@@ -677,6 +678,9 @@ class ISTTrainer:
         RuntimeError: another rank failed validation, or the ranks disagree
             on the model or settings (raised on every rank).
     """
+
+    #: subnets kept for reuse, keyed by their widths (see :meth:`_fill_subnet`)
+    _CACHE = 2
 
     def __init__(
         self,
@@ -741,6 +745,7 @@ class ISTTrainer:
         self._wire_bytes = 0
         self._round = 0
         self._local_step = 0
+        self._subnet_cache: Dict[Tuple[int, ...], Any] = {}
         if self._distributed and broadcast_model and self._world_size > 1:
             self._broadcast_model()
         self._begin_round()
@@ -787,9 +792,27 @@ class ISTTrainer:
                     pos += t.numel()
 
     def _begin_round(self) -> None:
+        """Draw this round's partition, upload every rank's indices, (re)fill the subnet.
+
+        Steady-state cost (issue 12): besides :func:`partition` (host-side CPU
+        ops, a few per hidden layer: one generator, ``randperm``, ``split`` and
+        ``sort``s), a constant number of dispatched ops whatever the number of
+        layers: one ``cat`` of the blocks, one host-to-device copy, one
+        ``split`` into index views, and, when a subnet with this round's widths
+        is cached, one ``gather_slices_multi`` + ``copy_`` into its flat buffer
+        (plus one ``_foreach_copy_`` of the BatchNorm counters). No host sync:
+        the blocks come from :func:`partition`, valid by construction, so the
+        value checks of :func:`extract_subnet` (which read index values on the
+        host) only run when a subnet is built.
+        """
         plan = self._plan
         self._blocks = partition(plan.hidden_sizes, self._world_size, self.seed, self._round)
-        self._subnet = extract_subnet(self.model, self._blocks, self._rank, rescale=self.rescale)
+        self._rows, self._cols = self._upload_indices(self._blocks)
+        full = [getattr(self.model[s.module], s.name) for s in plan.slices]
+        self._slice_numel = [ops.slices_numel(full, self._rows[r], self._cols[r])
+                             for r in range(self._world_size)]
+        self._shared_numel = sum(getattr(self.model[i], a).numel() for i, a in plan.shared)
+        self._subnet = self._fill_subnet(full)
         optimizer = self._factory(self._subnet.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -797,17 +820,101 @@ class ISTTrainer:
                 f"{type(optimizer).__name__}"
             )
         self._optimizer = optimizer
-        # Per-rank slice indices and payload sizes, from the shared partition.
-        self._rows: List[List[Optional[torch.Tensor]]] = []
-        self._cols: List[List[Optional[torch.Tensor]]] = []
-        self._slice_numel: List[int] = []
-        full = [getattr(self.model[s.module], s.name) for s in plan.slices]
-        for r in range(self._world_size):
-            rows, cols = _rank_indices(plan, self._blocks, r)
-            self._rows.append(rows)
-            self._cols.append(cols)
-            self._slice_numel.append(ops.slices_numel(full, rows, cols))
-        self._shared_numel = sum(getattr(self.model[i], a).numel() for i, a in plan.shared)
+
+    def _upload_indices(
+        self, blocks: Sequence[Sequence[torch.Tensor]]
+    ) -> Tuple[List[List[Optional[torch.Tensor]]], List[List[Optional[torch.Tensor]]]]:
+        """Per-rank rows/cols index tensors of every sliced tensor, on the model's device.
+
+        All ranks' blocks travel in ONE host-to-device copy, ``non_blocking``
+        (from pageable host memory the driver stages the source before the
+        call returns, so the temporary may be freed at once and no stream
+        synchronisation happens), then one ``split`` gives views per (rank,
+        layer). Returns ``(rows, cols)`` with ``rows[r][t]`` for slice ``t``.
+        """
+        plan = self._plan
+        w, n_layers = self._world_size, len(blocks)
+        order = [blocks[l][r] for r in range(w) for l in range(n_layers)]
+        flat = torch.cat(order)
+        if flat.device != plan.device:
+            flat = flat.to(plan.device, non_blocking=True)
+        views = flat.split([b.numel() for b in order])
+        rows: List[List[Optional[torch.Tensor]]] = []
+        cols: List[List[Optional[torch.Tensor]]] = []
+        for r in range(w):
+            on_dev = views[r * n_layers:(r + 1) * n_layers]
+            rows.append([None if s.row_layer is None else on_dev[s.row_layer]
+                         for s in plan.slices])
+            cols.append([None if s.col_layer is None else on_dev[s.col_layer]
+                         for s in plan.slices])
+        return rows, cols
+
+    def _subnet_tensors(self, subnet: nn.Sequential) -> List[Tuple[nn.Module, str]]:
+        """(module, attribute) of the subnet's sliced then shared tensors, in payload order."""
+        mods = _strip_scales(subnet, self.model)
+        plan = self._plan
+        return ([(mods[s.module], s.name) for s in plan.slices]
+                + [(mods[i], a) for i, a in plan.shared])
+
+    def _fill_subnet(self, full: List[torch.Tensor]) -> nn.Sequential:
+        """This round's subnet, its floating tensors views of ONE flat buffer.
+
+        The buffer is laid out as the payload of :meth:`synchronize` (sliced
+        tensors in plan order, then the shared ones), so the send buffer is the
+        subnet itself, with no gather. Subnets are cached by their widths (at
+        most :attr:`_CACHE` of them; with widths divisible by the world size
+        there is one): a cached subnet is refilled from the model in one
+        ``gather_slices_multi`` and keeps its module objects (the optimizer is
+        still re-created by the caller, and gradients are reset). The values
+        equal those of :func:`extract_subnet` exactly (both are copies).
+        """
+        plan = self._plan
+        rank = self._rank
+        shared_full = [getattr(self.model[i], a) for i, a in plan.shared]
+        nones = [None] * len(shared_full)
+        widths = tuple(int(layer[rank].numel()) for layer in self._blocks)
+        entry = self._subnet_cache.pop(widths, None)
+        with torch.no_grad():
+            packed = ops.gather_slices_multi(full + shared_full, self._rows[rank] + nones,
+                                             self._cols[rank] + nones)
+            if entry is not None:
+                subnet, flat, ptrs = entry
+                attrs = self._subnet_tensors(subnet)
+                if [getattr(m, a).data_ptr() for m, a in attrs] != ptrs:
+                    entry = None  # someone re-pointed a tensor: rebuild
+            if entry is None:
+                subnet = extract_subnet(self.model, self._blocks, rank, rescale=self.rescale)
+                flat = packed
+                pos = 0
+                for m, a in self._subnet_tensors(subnet):
+                    t = getattr(m, a)
+                    view = flat[pos:pos + t.numel()].view(t.shape)
+                    pos += t.numel()
+                    if isinstance(t, nn.Parameter):
+                        t.data = view
+                    else:
+                        setattr(m, a, view)
+                ptrs = [getattr(m, a).data_ptr() for m, a in self._subnet_tensors(subnet)]
+            else:
+                flat.copy_(packed)
+                counters = self._counter_pairs(subnet)
+                if counters:
+                    torch._foreach_copy_([s for s, _ in counters], [f for _, f in counters])
+                for p in subnet.parameters():
+                    p.grad = None
+                subnet.train(self.model.training)
+        self._subnet_cache[widths] = (subnet, flat, ptrs)
+        while len(self._subnet_cache) > self._CACHE:
+            self._subnet_cache.pop(next(iter(self._subnet_cache)))
+        self._subnet_flat = flat
+        self._subnet_ptrs = ptrs
+        return subnet
+
+    def _counter_pairs(self, subnet: nn.Sequential) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(subnet, model) ``num_batches_tracked`` tensors of the BatchNorm layers."""
+        mods = _strip_scales(subnet, self.model)
+        return [(mods[i].num_batches_tracked, self.model[i].num_batches_tracked)
+                for i in self._plan.counters]
 
     # -- public API ----------------------------------------------------------
 
@@ -923,20 +1030,30 @@ class ISTTrainer:
         evaluation or checkpointing) and a new subnet and optimizer for the
         next round. A no-op when no step was taken since the last
         synchronisation. Collective: all ranks must call it together.
+
+        Cost (issue 12; ``tests/test_hot_path_ist.py``): no host sync, and a
+        number of dispatched ops that depends on the world size but not on the
+        number of layers or parameters (one pad, one ``all_gather``, one
+        ``scatter_slices_multi`` per rank, the shared-bias mean, one
+        ``_foreach_copy_`` each for the shared tensors and the BatchNorm
+        counters), plus the repartition's (see :meth:`_begin_round`).
         """
         if self._local_step == 0:
             return
         plan = self._plan
         w = self._world_size
-        mods = _strip_scales(self._subnet, self.model)
-        sub_tensors = [getattr(mods[s.module], s.name).detach() for s in plan.slices]
-        sub_tensors += [getattr(mods[i], a).detach() for i, a in plan.shared]
+        attrs = self._subnet_tensors(self._subnet)
         full_tensors = [getattr(self.model[s.module], s.name) for s in plan.slices]
+        shared_full = [getattr(self.model[i], a) for i, a in plan.shared]
         width = max(self.payload_numel(r) for r in range(w))
         mine = self.payload_numel(self._rank)
         with torch.no_grad():
-            nones = [None] * len(sub_tensors)
-            packed = ops.gather_slices_multi(sub_tensors, nones, nones)
+            if [getattr(m, a).data_ptr() for m, a in attrs] == self._subnet_ptrs:
+                packed = self._subnet_flat  # the subnet's tensors ARE the payload
+            else:  # a tensor of the subnet was replaced: gather it
+                sub_tensors = [getattr(m, a).detach() for m, a in attrs]
+                nones = [None] * len(sub_tensors)
+                packed = ops.gather_slices_multi(sub_tensors, nones, nones)
             if w == 1:
                 gathered = packed.unsqueeze(0)
             else:
@@ -952,13 +1069,11 @@ class ISTTrainer:
                 for r in range(1, w):
                     acc = acc + gathered[r, self._slice_numel[r]:self.payload_numel(r)].float()
                 acc = (acc / w).to(plan.dtype)
-                pos = 0
-                for i, a in plan.shared:
-                    t = getattr(self.model[i], a)
-                    t.copy_(acc[pos:pos + t.numel()].view_as(t))
-                    pos += t.numel()
-            for i in plan.counters:
-                self.model[i].num_batches_tracked.copy_(mods[i].num_batches_tracked)
+                parts = acc.split([t.numel() for t in shared_full])
+                torch._foreach_copy_([t.view(-1) for t in shared_full], list(parts))
+            counters = self._counter_pairs(self._subnet)
+            if counters:
+                torch._foreach_copy_([f for _, f in counters], [s for s, _ in counters])
         self._rounds += 1
         self._payload_bytes += mine * self._itemsize
         self._wire_bytes += (w - 1) * width * self._itemsize

@@ -26,6 +26,8 @@
 #include <cub/cub.cuh>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -56,11 +58,68 @@ struct RangeCheck {
   int64_t size;
 };
 
-// Range-checks several device index tensors with one device reduction each
-// and ONE device-to-host copy of all (min, max) pairs. Host synchronisation is
-// unavoidable here: the error must be raised before anything is written, and
-// the data lives on the device. Messages are those of check_index_range_cpu.
-inline void check_index_ranges_cuda(const char* op, const std::vector<RangeCheck>& checks) {
+// How the CUDA kernels validate the CONTENTS of device tensors (index ranges,
+// the exclude list); shapes, dtypes, devices and every size argument are
+// always checked on the host, from metadata, with no synchronisation.
+//   host   (default): a device reduction, then ONE device-to-host read of the
+//          result per op, so a bad value raises a c10::Error that names the
+//          argument (the CPU kernel's message) before anything is written.
+//          This is the only host sync left in the ops (see each kernel file).
+//   device (environment SLIMCOMM_CUDA_CHECKS=device, read once per process):
+//          no host sync. The check runs on the device, on the current stream,
+//          before the kernels that write, and a bad value stops the stream with
+//          a device-side assert (the message, naming the op, is printed by the
+//          device; the CUDA context is lost, as with an out-of-range index in
+//          torch's own CUDA indexing ops). For hot paths whose indices come from
+//          slimcomm's own selection ops (the DDP hook, the optimizer-side sync).
+enum class CheckMode { kHost, kDevice };
+inline CheckMode check_mode() {
+  static const CheckMode mode = [] {
+    const char* v = std::getenv("SLIMCOMM_CUDA_CHECKS");
+    if (v == nullptr || *v == '\0' || std::string(v) == "host") return CheckMode::kHost;
+    TORCH_CHECK(std::string(v) == "device",
+                "slimcomm: environment SLIMCOMM_CUDA_CHECKS must be 'host' or 'device', got '",
+                v, "'");
+    return CheckMode::kDevice;
+  }();
+  return mode;
+}
+
+// Device-side range check (CheckMode::kDevice): traps on the first entry
+// outside [0, size). `what` is a small code printed with the failure.
+static __global__ void device_range_check_kernel(const int64_t* __restrict__ idx, int64_t n,
+                                          int64_t size, int what) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t v = idx[j];
+    if (v < 0 || v >= size) {
+      printf("slimcomm: index tensor #%d of the op has entry %lld = %lld outside [0, %lld) "
+             "(SLIMCOMM_CUDA_CHECKS=device)\n",
+             what, static_cast<long long>(j), static_cast<long long>(v),
+             static_cast<long long>(size));
+      __trap();  // not CUDA_KERNEL_ASSERT: builds with TORCH_DISABLE_GPU_ASSERTS compile it away
+    }
+  }
+}
+
+// Range-checks several device index tensors. CheckMode::kHost: one device
+// reduction each and ONE device-to-host copy of all (min, max) pairs (the
+// host sync that lets the error be raised, naming the argument, before
+// anything is written; messages are those of check_index_range_cpu).
+// CheckMode::kDevice: one check kernel per tensor, no host sync.
+static inline void check_index_ranges_cuda(const char* op, const std::vector<RangeCheck>& checks) {
+  if (check_mode() == CheckMode::kDevice) {
+    int what = 0;
+    for (const auto& c : checks) {
+      ++what;
+      const int64_t n = c.idx.numel();
+      if (n == 0) continue;
+      device_range_check_kernel<<<grid_for(n, 256 * 4), 256, 0, current_stream()>>>(
+          c.idx.data_ptr<int64_t>(), n, c.size, what);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return;
+  }
   std::vector<at::Tensor> parts;
   for (const auto& c : checks) {
     if (c.idx.numel() == 0) continue;

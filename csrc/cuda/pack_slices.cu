@@ -3,8 +3,17 @@
 // (IST subnets). Indices are unique by contract, so every kernel writes
 // disjoint locations: no atomics, results independent of the launch shape.
 // Strided (non-contiguous) src/dst/weight tensors are addressed through their
-// strides, never copied. The only host synchronisation is the index-range
-// validation (check_index_ranges_cuda), which must finish before any write.
+// strides, never copied. Everything runs on the current stream; scratch (none
+// here) would come from the caching allocator.
+//
+// Host syncs: none on the data path. Output sizes come from the arguments'
+// shapes. The one host sync left is the validation of the index VALUES
+// (check_index_ranges_cuda, cuda_utils.cuh), one device-to-host read per op
+// for all its index tensors, so that a bad index raises an error naming the
+// argument before anything is written (the ops' contract). With
+// SLIMCOMM_CUDA_CHECKS=device the check runs on the device instead (a trap on a
+// bad index, no host sync), for hot paths whose indices come from slimcomm's
+// own selection kernels.
 #include "cuda_utils.cuh"
 
 #include <ATen/Dispatch.h>
@@ -249,7 +258,7 @@ void scatter_slices_cuda(const at::Tensor& weight, const OptTensor& rows, const 
   run_slice(weight, ix.rows, ix.cols, s, b.data_ptr(), false);
 }
 
-// Validates every slice of a multi op (one host sync for all index ranges);
+// Validates every slice of a multi op (at most one host sync for all index ranges);
 // returns each block's element offset and the contiguous index tensors.
 std::vector<int64_t> check_multi(const char* op, at::TensorList weights,
                                  const c10::List<OptTensor>& rows,

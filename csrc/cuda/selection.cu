@@ -36,29 +36,43 @@
 //      only COUNTS the keys equal to the threshold, per tile of 4096 indices
 //      (so a degenerate distribution -- all-zero gradients or weights, a few
 //      distinct values -- cannot fill the buffer: memory stays O(k));
-//   3. the candidate and tie counts are read back (HOST SYNC: they size the
-//      sort and decide on the path); with at least k candidates they are
-//      radix-sorted and the first k are the answer; otherwise the threshold
-//      is the k-th key and the answer is every candidate plus the first
-//      k - candidates ties in index order, emitted from the tiles that supply
-//      them (prefix sums of the tile counts; tiles past the last needed tie
-//      return at once); the k indices are then sorted ascending;
+//   3. the path is decided ON THE DEVICE (topk_decide_kernel, no host read):
+//      the candidate buffer (its capacity, a worst case from n, k and the
+//      sample rank, filled with an all-ones sentinel that sorts last) is
+//      radix-sorted whole; with at least k candidates the first k are the
+//      answer; otherwise the threshold is the k-th key and the answer is every
+//      candidate plus the first k - candidates ties in index order, emitted
+//      from the tiles that supply them (prefix sums of the tile counts; tiles
+//      past the last needed tie return at once; with no tie needed the whole
+//      grid returns at once); the k indices are then sorted ascending and
+//      written unless the bracket missed;
 //   4. fallback when the bracket missed (fewer than k candidates and ties, or
 //      more candidates than the buffer holds): four device-wide
 //      8-bit radix-select histogram passes find the exact k-th key and the
 //      number of ties to take, then a tiled two-pass ordered compaction
 //      (per-tile counts, prefix sums, ordered emission) writes the result
-//      directly in index order. No host synchronisation in the fallback.
+//      directly in index order. Its kernels are always launched, behind a
+//      device-side gate (gate_open): when the bracket hit they return at once.
 //  explore_sample
 //   M draws (the expected count for t distinct values plus a margin) as keys
 //   (d_j << 32 | j), radix-sorted; the first key of each value marks its first
 //   draw; an inclusive scan of those marks in j order gives the number of
-//   distinct values (HOST SYNC: if fewer than t, M is doubled and the pass
-//   redone; the result does not depend on M) and the draw J at which the t-th
-//   appears; the first draws up to J, compacted in sorted order, are R
-//   ascending; R (or its complement) is mapped to indices by binary search.
-//  The exclude list is validated on the device first (HOST SYNC: the error
-//  must be raised before any output is produced).
+//   distinct values and the draw J at which the t-th appears; the first draws
+//   up to J, compacted in sorted order, are R ascending; R (or its
+//   complement) is mapped to indices by binary search. If the M draws hold
+//   fewer than t distinct values (beyond 8 standard deviations), a device
+//   flag switches to fallback kernels that continue the draw sequence on the
+//   device (explore_fb_*, which otherwise return at once): no host read.
+//  The exclude list is validated on the device first.
+//
+// Host syncs: none on the data path; all launches on the current stream,
+// scratch from the caching allocator (no cudaMalloc / cudaFree /
+// cudaDeviceSynchronize), small per-segment tables copied host-to-device from
+// pinned memory without waiting. The one sync left is the validation of the
+// exclude VALUES (check_exclude_cuda), one device-to-host read per call so that
+// a bad entry raises the CPU kernel's error, naming the argument, before any
+// output exists; SLIMCOMM_CUDA_CHECKS=device moves it onto the device (a trap,
+// no sync; see cuda_utils.cuh).
 #include "cuda_utils.cuh"
 
 #include <torch/library.h>
@@ -85,6 +99,18 @@ void dispatch_values(at::ScalarType st, Fn&& fn) {
     case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
     default: TORCH_CHECK(false, "slimcomm: unsupported dtype ", st);
   }
+}
+
+// Tests only (tests/test_cuda_fallbacks.py): environment SLIMCOMM_CUDA_TEST_FALLBACKS=1,
+// read once per process, shrinks the top-k candidate buffer to k / 2 and the
+// explore draws to t / 2, so that the device-side fallbacks, otherwise beyond 8
+// standard deviations, run; results must not change.
+inline bool test_fallbacks() {
+  static const bool on = [] {
+    const char* v = std::getenv("SLIMCOMM_CUDA_TEST_FALLBACKS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
 }
 
 // Number of bits needed to represent every value in [0, n).
@@ -287,17 +313,40 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-__global__ void low_words_kernel(const uint64_t* __restrict__ sorted, int64_t k,
-                                 uint32_t* __restrict__ idx) {
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; j < k;
+// The bracket path's decision, on the device. ctl[0] = 1 iff it missed (more
+// candidates than the buffer holds, or fewer candidates and ties together than
+// k): the radix fallback runs and the bracket writes nothing. Otherwise
+// ctl[1] = min(total, k) candidates are taken from the sorted buffer and
+// ctl[2] = max(0, k - total) ties after them (0 unless the threshold is the
+// k-th key).
+__global__ void topk_decide_kernel(const unsigned long long* __restrict__ count,
+                                   const unsigned long long* __restrict__ ties, int64_t cap,
+                                   int64_t k, int64_t* __restrict__ ctl) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const unsigned long long total = *count, nties = *ties;
+  const bool miss = total > static_cast<unsigned long long>(cap) ||
+                    total + nties < static_cast<unsigned long long>(k);
+  const int64_t tot = miss ? 0 : static_cast<int64_t>(total);  // <= cap when used
+  ctl[0] = miss ? 1 : 0;
+  ctl[1] = miss ? 0 : std::min<int64_t>(tot, k);
+  ctl[2] = miss ? 0 : std::max<int64_t>(0, k - tot);
+}
+
+// idx[j] = the index (low word) of sorted[j] for j < ctl[1] (grid sized for k).
+__global__ void low_words_kernel(const uint64_t* __restrict__ sorted,
+                                 const int64_t* __restrict__ ctl, uint32_t* __restrict__ idx) {
+  const int64_t take = ctl[1];
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; j < take;
        j += static_cast<int64_t>(gridDim.x) * kBlock)
     idx[j] = static_cast<uint32_t>(sorted[j]);
 }
 
+// Final write of the bracket path, skipped (the fallback writes) when it missed.
 template <typename T>
 __global__ void topk_write_kernel(const uint32_t* __restrict__ idx, int64_t k, int64_t lo,
                                   const T* __restrict__ g, int64_t* __restrict__ out_idx,
-                                  T* __restrict__ out_val) {
+                                  T* __restrict__ out_val, const int64_t* __restrict__ ctl) {
+  if (ctl[0] != 0) return;  // uniform across the grid
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; j < k;
        j += static_cast<int64_t>(gridDim.x) * kBlock) {
     const int64_t i = idx[j];
@@ -342,8 +391,18 @@ void launch_topk_compact(const T* w, const T* g, int64_t n, int mode, const uint
 
 // ---- large segments: exact radix-select fallback --------------------------
 
+// The radix-select fallback runs behind a device-side gate: gate == nullptr
+// (the host chose it from the arguments) or *gate != 0 (the bracket path
+// missed, decided on the device by topk_decide_kernel). With the gate closed
+// every kernel of the fallback returns at once (the tile counts are zeroed so
+// that the scans between them read defined values), and nothing is written.
+__device__ __forceinline__ bool gate_open(const int64_t* gate) {
+  return gate == nullptr || *gate != 0;
+}
+
 // state[0] = key prefix found so far, state[1] = how many still to take.
-__global__ void init_state_kernel(int64_t* state, int64_t k) {
+__global__ void init_state_kernel(int64_t* state, int64_t k, const int64_t* gate) {
+  if (!gate_open(gate)) return;
   state[0] = 0;
   state[1] = k;
 }
@@ -352,7 +411,8 @@ template <typename T>
 __global__ void __launch_bounds__(kBlock)
     topk_hist_kernel(const T* __restrict__ w, const T* __restrict__ g, int64_t n, int mode,
                      const int64_t* __restrict__ state, int d,
-                     unsigned long long* __restrict__ hist) {
+                     unsigned long long* __restrict__ hist, const int64_t* __restrict__ gate) {
+  if (!gate_open(gate)) return;  // uniform across the grid
   __shared__ unsigned int h[256];
   for (int b = threadIdx.x; b < 256; b += kBlock) h[b] = 0u;
   __syncthreads();
@@ -372,8 +432,9 @@ __global__ void __launch_bounds__(kBlock)
 }
 
 __global__ void pick_digit_kernel(const unsigned long long* __restrict__ hist,
-                                  int64_t* __restrict__ state, int d) {
-  if (threadIdx.x != 0) return;
+                                  int64_t* __restrict__ state, int d,
+                                  const int64_t* __restrict__ gate) {
+  if (threadIdx.x != 0 || !gate_open(gate)) return;
   const int64_t rem = state[1];
   int64_t below = 0;
   int b = 0;
@@ -390,9 +451,16 @@ template <typename T>
 __global__ void __launch_bounds__(kBlock)
     topk_tile_count_kernel(const T* __restrict__ w, const T* __restrict__ g, int64_t n, int mode,
                            const int64_t* __restrict__ state, int64_t ntiles,
-                           int64_t* __restrict__ lt_cnt, int64_t* __restrict__ eq_cnt) {
+                           int64_t* __restrict__ lt_cnt, int64_t* __restrict__ eq_cnt,
+                           const int64_t* __restrict__ gate) {
   using Reduce = cub::BlockReduce<int, kBlock>;
   __shared__ typename Reduce::TempStorage red;
+  if (!gate_open(gate)) {  // defined zeros for the scans that follow
+    for (int64_t t = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; t < ntiles;
+         t += static_cast<int64_t>(gridDim.x) * kBlock)
+      lt_cnt[t] = eq_cnt[t] = 0;
+    return;
+  }
   const uint32_t thr = static_cast<uint32_t>(state[0]);
   for (int64_t t = blockIdx.x; t < ntiles; t += gridDim.x) {
     int lt = 0, eq = 0;
@@ -419,8 +487,10 @@ __global__ void __launch_bounds__(kBlock)
                           const int64_t* __restrict__ state, int64_t ntiles,
                           const int64_t* __restrict__ lt_cnt, const int64_t* __restrict__ eq_cnt,
                           const int64_t* __restrict__ lt_pre, const int64_t* __restrict__ eq_pre,
-                          int64_t lo, int64_t* __restrict__ out_idx, T* __restrict__ out_val) {
+                          int64_t lo, int64_t* __restrict__ out_idx, T* __restrict__ out_val,
+                          const int64_t* __restrict__ gate) {
   __shared__ typename cub::BlockScan<int, kBlock>::TempStorage scan;
+  if (!gate_open(gate)) return;  // uniform across the grid
   const uint32_t thr = static_cast<uint32_t>(state[0]);
   const int64_t need = state[1];
   const TopkKeys<T> kf{w, g, mode};
@@ -438,24 +508,25 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// Exact top-k of one segment by device-wide radix select (no host sync).
+// Exact top-k of one segment by device-wide radix select (no host sync),
+// behind the device-side gate (see gate_open; nullptr: always).
 template <typename T>
 void topk_radix(const T* w, const T* g, int64_t n, int64_t k, int mode, int64_t lo,
-                int64_t* out_idx, T* out_val, const at::Device& dev) {
+                int64_t* out_idx, T* out_val, const at::Device& dev, const int64_t* gate) {
   cudaStream_t st = current_stream();
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
   at::Tensor state = at::empty({2}, i64);
   at::Tensor hist = at::zeros({4 * 256}, i64);
   int64_t* ps = state.data_ptr<int64_t>();
   auto* ph = reinterpret_cast<unsigned long long*>(hist.data_ptr<int64_t>());
-  init_state_kernel<<<1, 1, 0, st>>>(ps, k);
+  init_state_kernel<<<1, 1, 0, st>>>(ps, k, gate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const unsigned int grid = grid_for(n, kBlock * 16);
   for (int pass = 0; pass < 4; ++pass) {
     const int d = 24 - 8 * pass;
-    topk_hist_kernel<T><<<grid, kBlock, 0, st>>>(w, g, n, mode, ps, d, ph + 256 * pass);
+    topk_hist_kernel<T><<<grid, kBlock, 0, st>>>(w, g, n, mode, ps, d, ph + 256 * pass, gate);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    pick_digit_kernel<<<1, 32, 0, st>>>(ph + 256 * pass, ps, d);
+    pick_digit_kernel<<<1, 32, 0, st>>>(ph + 256 * pass, ps, d, gate);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const int64_t ntiles = (n + kTileItems - 1) / kTileItems;
@@ -465,26 +536,31 @@ void topk_radix(const T* w, const T* g, int64_t n, int64_t k, int mode, int64_t 
   int64_t* lt_pre = counts[2].data_ptr<int64_t>();
   int64_t* eq_pre = counts[3].data_ptr<int64_t>();
   const unsigned int tgrid = grid_for(ntiles, 1);
-  topk_tile_count_kernel<T><<<tgrid, kBlock, 0, st>>>(w, g, n, mode, ps, ntiles, lt_cnt, eq_cnt);
+  topk_tile_count_kernel<T><<<tgrid, kBlock, 0, st>>>(w, g, n, mode, ps, ntiles, lt_cnt, eq_cnt,
+                                                      gate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   exclusive_sum(lt_cnt, lt_pre, ntiles, dev);
   exclusive_sum(eq_cnt, eq_pre, ntiles, dev);
   topk_tile_emit_kernel<T><<<tgrid, kBlock, 0, st>>>(w, g, n, mode, ps, ntiles, lt_cnt, eq_cnt,
-                                                     lt_pre, eq_pre, lo, out_idx, out_val);
+                                                     lt_pre, eq_pre, lo, out_idx, out_val, gate);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Bracket path with the threshold as the k-th key: writes, to idx[0, need),
-// the indices of the first `need` keys == *thr_p in index order (tile t holds
-// tie_cnt[t] of them, tie_pre[t] before it). Tiles past the last needed tie
-// return at once.
+// Bracket path with the threshold as the k-th key: writes, to
+// idx[ctl[1], ctl[1] + need) with need = ctl[2], the indices of the first
+// `need` keys == *thr_p in index order (tile t holds tie_cnt[t] of them,
+// tie_pre[t] before it). Tiles past the last needed tie return at once, so
+// with need == 0 (the other paths) the whole grid returns at once.
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     topk_tie_emit_kernel(const T* __restrict__ w, const T* __restrict__ g, int64_t n, int mode,
                          const uint32_t* __restrict__ thr_p, int64_t ntiles,
                          const int64_t* __restrict__ tie_cnt, const int64_t* __restrict__ tie_pre,
-                         int64_t need, uint32_t* __restrict__ idx) {
+                         const int64_t* __restrict__ ctl, uint32_t* __restrict__ idx_base) {
   __shared__ typename cub::BlockScan<int, kBlock>::TempStorage scan;
+  const int64_t need = ctl[2];
+  if (need == 0) return;  // uniform across the grid
+  uint32_t* idx = idx_base + ctl[1];
   const uint32_t thr = *thr_p;
   // Only the ties take part (the keys below thr are already candidates).
   auto kf = [w, g, mode, thr](int64_t i, uint32_t& key) {
@@ -501,20 +577,25 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// The bracket path; returns false (having written nothing) when it missed.
+// The bracket path, with no host sync: every size is a worst case known from
+// the arguments, and the choice between its two endings and the radix
+// fallback is made on the device (topk_decide_kernel). Returns the 3-entry
+// control tensor; ctl[0] != 0 means it missed (nothing written) and the caller
+// must run topk_radix gated on it.
 template <typename T>
-bool topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t rank, int mode,
-                  int64_t lo, int64_t* out_idx, T* out_val, const at::Device& dev) {
+at::Tensor topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t rank, int mode,
+                        int64_t lo, int64_t* out_idx, T* out_val, const at::Device& dev) {
   cudaStream_t st = current_stream();
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
   at::Tensor keys = at::empty({kSample}, i64.dtype(at::kInt));
-  // [0] candidate count, [1] threshold, [2] tie count, [3, 3 + ntiles) ties per tile.
+  // [0] candidate count, [1] threshold, [2] tie count, [3, 6) ctl, [6, 6 + ntiles) ties per tile.
   const int64_t ntiles = (n + kTileItems - 1) / kTileItems;
-  at::Tensor misc = at::zeros({3 + ntiles}, i64);
+  at::Tensor misc = at::zeros({6 + ntiles}, i64);
   auto* count = reinterpret_cast<unsigned long long*>(misc.data_ptr<int64_t>());
   auto* thr = reinterpret_cast<uint32_t*>(misc.data_ptr<int64_t>() + 1);
   auto* ties = reinterpret_cast<unsigned long long*>(misc.data_ptr<int64_t>() + 2);
-  auto* tie_cnt = reinterpret_cast<unsigned long long*>(misc.data_ptr<int64_t>() + 3);
+  int64_t* ctl = misc.data_ptr<int64_t>() + 3;
+  auto* tie_cnt = reinterpret_cast<unsigned long long*>(misc.data_ptr<int64_t>() + 6);
   auto* pkeys = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
   topk_sample_kernel<T><<<kSample / kBlock, kBlock, 0, st>>>(w, g, n, mode, pkeys);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -522,41 +603,40 @@ bool topk_bracket(const T* w, const T* g, int64_t n, int64_t k, int64_t rank, in
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // About n (rank+1)/kSample keys pass, with a relative spread of 1/sqrt(rank+1).
   const double expect = static_cast<double>(n) * (rank + 1) / kSample;
-  const int64_t cap = std::min<int64_t>(
+  int64_t cap = std::min<int64_t>(
       n, static_cast<int64_t>(expect * (1.0 + 8.0 / std::sqrt(rank + 1.0))) + 1024);
-  at::Tensor cand = at::empty({cap}, i64);
+  if (test_fallbacks()) cap = std::max<int64_t>(1, k / 2);  // tests: force the rare paths
+  // Unused slots hold the all-ones sentinel, which sorts after every candidate
+  // (a candidate's key is below the threshold, so its high word is < 2^32 - 1).
+  at::Tensor cand = at::full({cap}, -1, i64);
   auto* pcand = reinterpret_cast<uint64_t*>(cand.data_ptr<int64_t>());
   launch_topk_compact<T>(w, g, n, mode, thr, pcand, count, cap, tie_cnt, ties);
-  // HOST SYNC: the candidate and tie counts size the sort and decide on the path.
-  const at::Tensor head = misc.slice(0, 0, 3).cpu();
-  const int64_t total = head.data_ptr<int64_t>()[0], nties = head.data_ptr<int64_t>()[2];
-  if (total > cap || total + nties < k) return false;
+  topk_decide_kernel<<<1, 1, 0, st>>>(count, ties, cap, k, ctl);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Sorted candidates, the whole buffer (the worst case): the first min(total, k)
+  // are the best candidates in (key, index) order, sentinels follow.
+  at::Tensor sorted = at::empty({cap}, i64);
+  auto* psorted = reinterpret_cast<uint64_t*>(sorted.data_ptr<int64_t>());
+  sort_keys<uint64_t>(pcand, psorted, cap, 64, dev);
   at::Tensor idx = at::empty({2, k}, i64.dtype(at::kInt));
   auto* pidx = reinterpret_cast<uint32_t*>(idx[0].data_ptr<int32_t>());
   auto* pidx_sorted = reinterpret_cast<uint32_t*>(idx[1].data_ptr<int32_t>());
   const unsigned int grid = grid_for(k, kBlock);
-  if (total >= k) {  // the k-th key is below the threshold: the first k candidates
-    at::Tensor sorted = at::empty({total}, i64);
-    auto* psorted = reinterpret_cast<uint64_t*>(sorted.data_ptr<int64_t>());
-    sort_keys<uint64_t>(pcand, psorted, total, 64, dev);
-    low_words_kernel<<<grid, kBlock, 0, st>>>(psorted, k, pidx);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  } else {  // the threshold is the k-th key: every candidate and the first k - total ties
-    if (total > 0) {
-      low_words_kernel<<<grid_for(total, kBlock), kBlock, 0, st>>>(pcand, total, pidx);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    const int64_t* cnt = misc.data_ptr<int64_t>() + 3;
-    at::Tensor pre = at::empty({ntiles}, i64);
-    exclusive_sum(cnt, pre.data_ptr<int64_t>(), ntiles, dev);
-    topk_tie_emit_kernel<T><<<grid_for(ntiles, 1), kBlock, 0, st>>>(
-        w, g, n, mode, thr, ntiles, cnt, pre.data_ptr<int64_t>(), k - total, pidx + total);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  sort_keys<uint32_t>(pidx, pidx_sorted, k, bits_for(n), dev);
-  topk_write_kernel<T><<<grid, kBlock, 0, st>>>(pidx_sorted, k, lo, g, out_idx, out_val);
+  low_words_kernel<<<grid, kBlock, 0, st>>>(psorted, ctl, pidx);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return true;
+  // Threshold == the k-th key: the first ctl[2] ties in index order after them.
+  const int64_t* cnt = misc.data_ptr<int64_t>() + 6;
+  at::Tensor pre = at::empty({ntiles}, i64);
+  exclusive_sum(cnt, pre.data_ptr<int64_t>(), ntiles, dev);
+  topk_tie_emit_kernel<T><<<grid_for(ntiles, 1), kBlock, 0, st>>>(
+      w, g, n, mode, thr, ntiles, cnt, pre.data_ptr<int64_t>(), ctl, pidx);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // When it missed, idx holds undefined values: sorted anyway (harmless, a
+  // rare path), and not written out.
+  sort_keys<uint32_t>(pidx, pidx_sorted, k, bits_for(n), dev);
+  topk_write_kernel<T><<<grid, kBlock, 0, st>>>(pidx_sorted, k, lo, g, out_idx, out_val, ctl);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return misc.slice(0, 3, 6);
 }
 
 // k == n: every index, in order.
@@ -583,10 +663,14 @@ void topk_large(const T* w, const T* g, int64_t n, int64_t k, int mode, int64_t 
   if (n < kIdx32) {
     const double r = static_cast<double>(k) * kSample / static_cast<double>(n);
     const int64_t rank = static_cast<int64_t>(r + 6.0 * std::sqrt(r) + 32.0);
-    if (rank < kSample && topk_bracket<T>(w, g, n, k, rank, mode, lo, out_idx, out_val, dev))
+    if (rank < kSample) {
+      const at::Tensor ctl = topk_bracket<T>(w, g, n, k, rank, mode, lo, out_idx, out_val, dev);
+      // Runs only if the bracket missed (ctl[0] != 0, on the device).
+      topk_radix<T>(w, g, n, k, mode, lo, out_idx, out_val, dev, ctl.data_ptr<int64_t>());
       return;
+    }
   }
-  topk_radix<T>(w, g, n, k, mode, lo, out_idx, out_val, dev);
+  topk_radix<T>(w, g, n, k, mode, lo, out_idx, out_val, dev, nullptr);
 }
 
 std::tuple<at::Tensor, at::Tensor> significance_topk_segmented_cuda(
@@ -904,6 +988,82 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// ---- large segments: the rare case of too few distinct values among the M draws
+// (M is the expected count plus 8 standard deviations). Decided on the device:
+// ctl[0] = the cut draw (-1 until explore_cut_kernel finds it), ctl[2] = 1 iff
+// the M draws hold fewer than t distinct values. Then the normal path selects
+// nothing (no draw is at the cut) and these kernels, which otherwise return at
+// once, build R in a bitmap of the a ranks: every value of the M draws, then
+// the draws j = M, M + 1, ... in order, one thread, each new value taken until
+// t -- the same R, the first t distinct values of the sequence -- and write R
+// ascending as keys (rank << 32), the form the output kernels read.
+__global__ void explore_ctl_kernel(const uint32_t* __restrict__ scan, int64_t M, int64_t t,
+                                   int64_t* __restrict__ ctl) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  ctl[0] = -1;
+  ctl[2] = static_cast<int64_t>(scan[M - 1]) < t ? 1 : 0;
+}
+
+__global__ void explore_fb_zero_kernel(const int64_t* __restrict__ ctl, uint32_t* __restrict__ bits,
+                                       int64_t words) {
+  if (ctl[2] == 0) return;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; w < words;
+       w += static_cast<int64_t>(gridDim.x) * kBlock)
+    bits[w] = 0u;
+}
+
+__global__ void explore_fb_mark_kernel(const int64_t* __restrict__ ctl,
+                                       const uint64_t* __restrict__ sorted, int64_t M,
+                                       uint32_t* __restrict__ bits) {
+  if (ctl[2] == 0) return;
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; p < M;
+       p += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const uint32_t v = static_cast<uint32_t>(sorted[p] >> 32);
+    atomicOr(&bits[v >> 5], 1u << (v & 31u));
+  }
+}
+
+// One thread: continues the draw sequence at j = M until t distinct values.
+__global__ void explore_fb_extend_kernel(const int64_t* __restrict__ ctl,
+                                         const uint32_t* __restrict__ scan, int64_t M, int64_t t,
+                                         uint64_t a, uint64_t seed, uint64_t offset,
+                                         uint32_t* __restrict__ bits) {
+  if (ctl[2] == 0 || threadIdx.x != 0 || blockIdx.x != 0) return;
+  int64_t found = static_cast<int64_t>(scan[M - 1]);
+  for (uint64_t j = static_cast<uint64_t>(M); found < t; ++j) {
+    const Philox4 x = explore_pair(j >> 1, seed, offset);
+    const uint32_t d = explore_rank(x, static_cast<int>(j & 1u), a);
+    const uint32_t bit = 1u << (d & 31u);
+    if ((bits[d >> 5] & bit) == 0u) {
+      bits[d >> 5] |= bit;
+      ++found;
+    }
+  }
+}
+
+// One block: the t set bits of the bitmap, ascending, as keys rank << 32.
+__global__ void __launch_bounds__(kBlock)
+    explore_fb_emit_kernel(const int64_t* __restrict__ ctl, const uint32_t* __restrict__ bits,
+                           int64_t words, uint64_t* __restrict__ R) {
+  if (ctl[2] == 0) return;
+  __shared__ typename cub::BlockScan<int, kBlock>::TempStorage scan;
+  int64_t written = 0;
+  for (int64_t base = 0; base < words; base += kBlock) {
+    const int64_t w = base + threadIdx.x;
+    const uint32_t word = w < words ? bits[w] : 0u;
+    int pos, total;
+    cub::BlockScan<int, kBlock>(scan).ExclusiveSum(__popc(word), pos, total);
+    uint32_t rest = word;
+    while (rest != 0u) {  // bits in ascending order
+      const int b = __ffs(rest) - 1;
+      rest &= rest - 1u;
+      R[written + pos++] = static_cast<uint64_t>(w * 32 + b) << 32;
+    }
+    written += total;
+    __syncthreads();  // scan storage is reused
+  }
+}
+
 void inclusive_sum_u32(const uint32_t* in, uint32_t* out, int64_t n, const at::Device& dev) {
   cudaStream_t st = current_stream();
   size_t bytes = 0;
@@ -936,53 +1096,60 @@ void explore_large(int64_t n, int64_t lo, const int64_t* ex, int64_t ne, int64_t
   const bool comp = 2 * m > a;
   const int64_t t = comp ? a - m : m;  // 1 <= t <= a / 2
   // Draws: the expected number for t distinct values, a ln(a / (a - t)), plus
-  // a margin of 8 standard deviations; doubled until t distinct values are
-  // among them. The result does not depend on M: the first t distinct values
-  // of the first M draws are the first t distinct values of the sequence.
+  // a margin of 8 standard deviations. Should they hold fewer than t distinct
+  // values, the fallback kernels below continue the sequence on the device.
+  // The result does not depend on M: the first t distinct values of the first
+  // M draws are the first t distinct values of the sequence.
   const double expect = -static_cast<double>(a) * std::log1p(-static_cast<double>(t) / a);
   int64_t M = std::max<int64_t>(
       t, static_cast<int64_t>(std::ceil(expect + 8.0 * std::sqrt(expect) + 64.0)));
   M = std::min<int64_t>(M, kIdx32);  // draw numbers fit in the low 32 bits of a key
+  if (test_fallbacks()) M = std::max<int64_t>(1, t / 2);  // tests: force the fallback
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
-  at::Tensor keys, sorted, flags;
-  uint32_t* flag = nullptr;  // [M] first-draw flags, in j order
-  uint32_t* scan = nullptr;  // [M] inclusive sum of flag
-  for (;;) {
-    keys = at::empty({M}, i64);
-    sorted = at::empty({M}, i64);
-    flags = at::empty({2, M}, i64.dtype(at::kInt));
-    auto* pk = reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>());
-    auto* ps = reinterpret_cast<uint64_t*>(sorted.data_ptr<int64_t>());
-    flag = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());
-    scan = flag + M;
-    explore_draws_kernel<<<grid_for((M + 1) / 2, kBlock), kBlock, 0, st>>>(
-        M, static_cast<uint64_t>(a), seed, offset, pk);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sort_keys<uint64_t>(pk, ps, M, 32 + bits_for(a), dev);
-    explore_first_kernel<<<grid_for(M, kBlock), kBlock, 0, st>>>(ps, M, flag);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    inclusive_sum_u32(flag, scan, M, dev);
-    // HOST SYNC: the number of distinct values among the M draws decides
-    // whether more draws are needed (it is < a < 2^32, read back as uint32).
-    const int64_t distinct = static_cast<uint32_t>(flags[1][M - 1].item<int32_t>());
-    if (distinct >= t) break;
-    TORCH_CHECK(M < kIdx32, "slimcomm.explore_sample: internal error: ", M, " draws give only ",
-                distinct, " distinct values, ", t, " needed");
-    M = std::min<int64_t>(2 * M, kIdx32);
-  }
-  const auto* ps = reinterpret_cast<const uint64_t*>(sorted.data_ptr<int64_t>());
-  at::Tensor misc = at::empty({2}, i64);  // [0] the cut draw, [1] number selected (== t)
+  at::Tensor keys = at::empty({M}, i64);
+  at::Tensor sorted = at::empty({M}, i64);
+  at::Tensor flags = at::empty({2, M}, i64.dtype(at::kInt));
+  auto* pk = reinterpret_cast<uint64_t*>(keys.data_ptr<int64_t>());
+  auto* ps = reinterpret_cast<uint64_t*>(sorted.data_ptr<int64_t>());
+  uint32_t* flag = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());  // [M] first draws
+  uint32_t* scan = flag + M;  // [M] inclusive sum of flag, in j order
+  explore_draws_kernel<<<grid_for((M + 1) / 2, kBlock), kBlock, 0, st>>>(
+      M, static_cast<uint64_t>(a), seed, offset, pk);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sort_keys<uint64_t>(pk, ps, M, 32 + bits_for(a), dev);
+  explore_first_kernel<<<grid_for(M, kBlock), kBlock, 0, st>>>(ps, M, flag);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  inclusive_sum_u32(flag, scan, M, dev);
+  // [0] the cut draw, [1] number selected by the normal path, [2] fallback flag.
+  at::Tensor misc = at::empty({3}, i64);
   int64_t* pmisc = misc.data_ptr<int64_t>();
+  explore_ctl_kernel<<<1, 1, 0, st>>>(scan, M, t, pmisc);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const unsigned int grid = grid_for(M, kBlock);
   explore_cut_kernel<<<grid, kBlock, 0, st>>>(flag, scan, M, t, pmisc);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // The unsorted keys are no longer needed: their storage holds the keep flags.
-  auto* keep = reinterpret_cast<uint8_t*>(keys.data_ptr<int64_t>());
+  // With the cut at -1 (fallback) no draw is kept and nothing is selected.
+  auto* keep = reinterpret_cast<uint8_t*>(pk);
   explore_keep_kernel<<<grid, kBlock, 0, st>>>(ps, flag, M, pmisc, keep);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor r_keys = at::empty({t}, i64);
   auto* pr = reinterpret_cast<uint64_t*>(r_keys.data_ptr<int64_t>());
   select_flagged_u64(ps, keep, pr, pmisc + 1, M, dev);
+  // The fallback (returns at once unless pmisc[2]): a bitmap of a bits, scratch
+  // from the caching allocator, touched only then.
+  const int64_t words = (a + 31) / 32;
+  at::Tensor bitmap = at::empty({words}, i64.dtype(at::kInt));
+  auto* pbits = reinterpret_cast<uint32_t*>(bitmap.data_ptr<int32_t>());
+  explore_fb_zero_kernel<<<grid_for(words, kBlock), kBlock, 0, st>>>(pmisc, pbits, words);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  explore_fb_mark_kernel<<<grid, kBlock, 0, st>>>(pmisc, ps, M, pbits);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  explore_fb_extend_kernel<<<1, 1, 0, st>>>(pmisc, scan, M, t, static_cast<uint64_t>(a), seed,
+                                            offset, pbits);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  explore_fb_emit_kernel<<<1, kBlock, 0, st>>>(pmisc, pbits, words, pr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (comp) {
     explore_out_comp_kernel<<<grid_for(a, kBlock), kBlock, 0, st>>>(pr, t, a, lo, ex, ne, out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1028,9 +1195,20 @@ void check_exclude_host(const char* op, const int64_t* ex, int64_t ne, int64_t l
   }
 }
 
+// CheckMode::kDevice: stops the stream (device trap) when the check found a bad entry.
+__global__ void exclude_trap_kernel(const unsigned long long* __restrict__ bad, int64_t ne) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  if (*bad < static_cast<unsigned long long>(ne)) {
+    printf("slimcomm.explore_sample: argument 'exclude' is invalid at entry %llu (outside its "
+           "segment, unsorted or duplicated; SLIMCOMM_CUDA_CHECKS=device)\n", *bad);
+    __trap();
+  }
+}
+
 // Validates the exclude entries of every segment on the device; on a
 // violation, redoes the check on the host for the CPU kernel's message.
-// HOST SYNC: the error must be raised before any output is produced.
+// HOST SYNC (CheckMode::kHost, the default): the error must be raised before
+// any output is produced. CheckMode::kDevice: no sync, a trap (cuda_utils.cuh).
 void check_exclude_cuda(const char* op, const at::Tensor& ex, c10::IntArrayRef offsets,
                         c10::IntArrayRef exclude_offsets, bool single) {
   const int64_t ne = ex.numel();
@@ -1044,7 +1222,13 @@ void check_exclude_cuda(const char* op, const at::Tensor& ex, c10::IntArrayRef o
       ex.data_ptr<int64_t>(), ne, dbounds.data_ptr<int64_t>(), S,
       reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (bad.item<int64_t>() >= ne) return;
+  if (check_mode() == CheckMode::kDevice) {
+    exclude_trap_kernel<<<1, 1, 0, current_stream()>>>(
+        reinterpret_cast<const unsigned long long*>(bad.data_ptr<int64_t>()), ne);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  if (bad.item<int64_t>() >= ne) return;  // HOST SYNC (see above)
   const at::Tensor h = ex.cpu();
   const int64_t* p = h.data_ptr<int64_t>();
   for (int64_t s = 0; s < S; ++s)
