@@ -314,6 +314,8 @@ PROJECTION_ASSUMPTIONS = {
     "compute 1B": "0.15 s/step (8192 tokens per rank per step, 6 x params x tokens FLOPs at 330 TFLOP/s)",
     "selection": "slimdp/topk: 3 passes over the fp32 gradient at 3 TB/s (GPU) per step; on the 5.8M model "
                  "the measured CPU overhead (1.11x dense step at loopback) instead",
+    "scope": "time per step only: the methods need different numbers of steps to reach a given loss "
+             "(measured at 2 ranks only; see the netbench tables), so a faster step is not a faster run",
     "payloads": "ddp fp32 4P bytes, fp16 2P, powersgd rank 4 at the 2-rank measured ratio 1.1% of fp32, "
                 "slimdp 2% of P in bf16 (+ flags), topk 2% of P as (int64 index + bf16 value) all-gathered, "
                 "diloco fp32 every 24 steps, slimdp-local 2-bit every 3 steps all-gathered",
@@ -370,15 +372,56 @@ def project(world_sizes=(16, 64, 256, 1024), rates=("100mbit", "1gbit", "10gbit"
 # Reports
 # ---------------------------------------------------------------------------
 
+def ring_factor(method: str, world_size: int) -> float:
+    """Wire bytes (TX + RX) per rank per payload byte of a ring collective: all-reduce
+    ``4 (W-1)/W`` (each direction carries ``2 (W-1)/W`` of the buffer), all-gather
+    ``2 (W-1)`` (each direction carries every other rank's contribution once)."""
+    w = world_size
+    return 4 * (w - 1) / w if PATTERN[method.split("@")[0]] == "allreduce" else 2.0 * (w - 1)
+
+
+def bytes_table(runs: Sequence[Run]) -> str:
+    """Markdown: measured wire bytes per rank per step by world size, per method and rate, with the
+    growth from the smallest to the largest world size and the wire bytes over the ring model's."""
+    from tabulate import tabulate
+
+    sizes = sorted({r.world_size for r in runs})
+    rows = []
+    for rate in sorted({r.rate for r in runs}, key=_rate_bps):
+        for m in sorted({r.method for r in runs if r.rate == rate}):
+            by_w = {r.world_size: r for r in runs if r.rate == rate and r.method == m and r.wire}
+            if not by_w:
+                continue
+            row = [m, rate] + [f"{by_w[w].payload / 1e6:.3f} / {by_w[w].wire / 1e6:.3f}" if w in by_w else "-"
+                               for w in sizes]
+            lo, hi = min(by_w), max(by_w)
+            row.append(f"{by_w[hi].wire / by_w[lo].wire:.2f}x" if hi != lo else "-")
+            row.append(", ".join(f"{by_w[w].wire / (ring_factor(m, w) * by_w[w].payload):.2f}"
+                                 for w in sorted(by_w) if by_w[w].payload > 0))
+            rows.append(row)
+    return tabulate(rows, headers=["method", "rate"] + [f"W={w}: payload / wire MB" for w in sizes]
+                    + [f"wire W={sizes[-1]} / W={sizes[0]}", "wire / ring model, per W"], tablefmt="github")
+
+
 def markdown(fitted: Fitted, runs: Sequence[Run], checks: Sequence[Dict], proj: Sequence[Dict]) -> str:
     from tabulate import tabulate
 
-    out = ["## Cost model: fitted on 2 ranks\n"]
-    out.append(tabulate([[rate, f"{1e6 * lm.alpha_s:.0f}", f"{lm.goodput_bps / 1e6:.1f}",
+    out = []
+    if any(r.wire for r in runs):
+        out.append("## Bytes per rank per step on the wire (measured, steady state)\n")
+        out.append("payload = bytes handed to collectives; wire = TX + RX of the rank's interface (kernel "
+                   "counters); ring model = payload x 4 (W-1)/W for an all-reduce, x 2 (W-1) for an all-gather.\n")
+        out.append(bytes_table(runs) + "\n")
+    if fitted is None:
+        out.append("## Cost model: not fitted (needs 2-rank runs at two or more rates per method)\n")
+    else:
+        out.append("## Cost model: fitted on 2 ranks\n")
+        out.append(tabulate([[rate, f"{1e6 * lm.alpha_s:.0f}", f"{lm.goodput_bps / 1e6:.1f}",
                           f"{lm.goodput_bps / _rate_bps(rate):.2f}"] for rate, lm in fitted.links.items()],
-                        headers=["rate", "alpha (us/hop)", "goodput (Mbit/s)", "eta"], tablefmt="github"))
-    out.append("\n" + tabulate([[m, f"{1000 * c:.1f}"] for m, c in sorted(fitted.compute_s.items())],
-                               headers=["method", "compute + selection at 2 ranks (ms/step)"], tablefmt="github"))
+                            headers=["rate", "alpha (us/hop)", "goodput (Mbit/s)", "eta"], tablefmt="github"))
+        out.append("\n" + tabulate([[m, f"{1000 * c:.1f}"] for m, c in sorted(fitted.compute_s.items())],
+                                   headers=["method", "compute + selection at 2 ranks (ms/step)"],
+                                   tablefmt="github"))
     if checks:
         out.append("\n## Predicted vs measured step time (model fitted on 2 ranks only)\n")
         out.append(tabulate([[c["method"], c["world_size"], c["rate"], f"{c['measured_ms']:.0f}",
@@ -400,7 +443,7 @@ def markdown(fitted: Fitted, runs: Sequence[Run], checks: Sequence[Dict], proj: 
     return "\n".join(out) + "\n"
 
 
-def plot(runs: Sequence[Run], fitted: Optional[Fitted], out_png: str) -> None:
+def plot(runs: Sequence[Run], fitted: Optional[Fitted], out_png: str, note: str = "") -> None:
     """Log-log panels: measured wire bytes per rank per step vs world size, and step time vs world
     size (measured points, model lines fitted on 2 ranks), one colour per method, one panel per rate."""
     import matplotlib
@@ -426,8 +469,10 @@ def plot(runs: Sequence[Run], fitted: Optional[Fitted], out_png: str) -> None:
             if fitted is not None and two is not None and m in fitted.compute_s:
                 grid = sorted(set(ws) | {2, 4, 8})
                 axes[1][j].plot(grid, [1000 * fitted.predict(two, w, rate) for w in grid], "--", color=c, lw=1)
+        sizes = sorted({r.world_size for r in runs})
         for ax, ylab in ((axes[0][j], "wire MB per rank per step (TX+RX)"), (axes[1][j], "ms per step")):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(w) for w in sizes])
             ax.set_yscale("log")
             ax.set_xlabel("ranks (world size)")
             ax.set_ylabel(ylab)
@@ -436,6 +481,8 @@ def plot(runs: Sequence[Run], fitted: Optional[Fitted], out_png: str) -> None:
                 ax.legend(fontsize=7)
         axes[0][j].set_title(f"bytes on the wire, {rate} per link")
         axes[1][j].set_title(f"step time, {rate} per link (dashed: model fitted on 2 ranks)")
+    if note:
+        fig.suptitle(note, fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -450,6 +497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="CPU cores the benchmark ranks shared (compute slow-down with more ranks)")
     p.add_argument("--alpha-us", type=float, default=0.0,
                    help="per-hop latency of the links in microseconds (not identifiable from 2-rank step times)")
+    p.add_argument("--note", default="", help="a line printed above the tables and the plot (e.g. the setting)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "costmodel"),
                    help="output base path (writes BASE.md and BASE.png)")
     a = p.parse_args(argv)
@@ -459,13 +507,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not paths:
         p.error(f"--runs {a.runs}: no result JSONs found")
     runs = load_runs(paths)
-    fitted = fit(runs, a.cores, a.alpha_us * 1e-6)
-    checks = validate(fitted, runs)
+    try:
+        fitted = fit(runs, a.cores, a.alpha_us * 1e-6)
+    except ValueError as e:  # e.g. bytes-only sweeps at one rate: report the bytes, no model
+        print(f"[costmodel] no step-time fit: {e}", file=sys.stderr)
+        fitted = None
+    checks = validate(fitted, runs) if fitted is not None else []
     md = markdown(fitted, runs, checks, project(fitted=fitted))
+    if a.note:
+        md = f"{a.note}\n\n{md}"
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".md", "w") as f:
         f.write(md)
-    plot(runs, fitted, a.out + ".png")
+    plot(runs, fitted, a.out + ".png", a.note)
     print(md)
     print(f"[costmodel] wrote {a.out}.md and {a.out}.png")
     return 0
