@@ -210,6 +210,7 @@ def run_job(net: EmulatedNetwork, method: str, out_json: str, train_args: Sequen
                 "--rank", str(r), "--world-size", str(net.world_size),
                 "--master-addr", net.addrs[0], "--master-port", str(port),
                 "--threads", str(threads), "--out", out_json, "--timeout", str(timeout),
+                "--wire-iface", net.ifnames[r],
             ] + (["--no-progress"] if r > 0 else []) + list(train_args)
             log = open(os.path.join(log_dir, f"{os.path.basename(out_json)[:-5]}_rank{r}.log"), "w")
             logs.append(log)
@@ -255,6 +256,49 @@ def _ttt(runs: Sequence[Dict]) -> Optional[float]:
     return None if any(t is None for t in ts) else _median(ts)
 
 
+def _dense_warmup_steps(run: Dict) -> int:
+    """Leading steps in which the method sends dense gradients (slimdp/topk warm-up, PowerSGD's
+    start iteration), excluded from the steady-state per-step figures."""
+    cfg, m = run["config"], run["method"]
+    if m in ("slimdp", "topk"):
+        w = cfg.get("warmup_steps") or 0
+    elif m == "powersgd":
+        w = cfg.get("powersgd_start_iter") or 0
+    else:
+        w = 0
+    return min(int(w), max(0, run["steps"] - 1))
+
+
+def steady_bytes_per_step(run: Dict) -> Dict[str, Optional[float]]:
+    """Steady-state bytes per rank per step of one run (the dense warm-up steps left out).
+
+    ``payload``: bytes handed to collectives (the ``bytes_definition`` of the run);
+    ``wire``: TX + RX bytes the rank's interface carried during training steps and
+    synchronisations (kernel counters, ``slimcomm.train --wire-iface``), mean over ranks,
+    with ``wire_min``/``wire_max`` over ranks; None without counters. Includes every frame:
+    Ethernet/IP/TCP headers, ACKs, retransmissions, and both directions."""
+    warm = _dense_warmup_steps(run)
+    n = max(1, run["steps"] - warm)
+    payload = (run["final"]["bytes_sent_per_rank"] - warm * run["dense_bytes_per_step"]) / n
+    out: Dict[str, Optional[float]] = {"payload": payload, "wire": None, "wire_min": None, "wire_max": None}
+    ranks = run.get("wire")
+    if ranks:
+        per = [(w["tx_bytes"] + w["rx_bytes"] - sum(w["per_step_bytes"][:warm])) / n for w in ranks]
+        out.update(wire=sum(per) / len(per), wire_min=min(per), wire_max=max(per))
+    return out
+
+
+def _wire_cells(runs: Sequence[Dict]) -> List[str]:
+    """['wire MB/rank/step', 'wire / payload'] table cells (medians over seeds)."""
+    b = [steady_bytes_per_step(r) for r in runs]
+    if any(x["wire"] is None for x in b):
+        return ["-", "-"]
+    wire = _median([x["wire"] for x in b])
+    ratio = _median([x["wire"] / x["payload"] for x in b if x["payload"] > 0]) if any(
+        x["payload"] > 0 for x in b) else None
+    return [f"{wire / 1e6:.3f}", f"{ratio:.2f}" if ratio is not None else "-"]
+
+
 def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, float], header: str) -> str:
     """Markdown tables (one per rate) from {rate: {method: [results dict per seed]}}.
 
@@ -288,6 +332,7 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
                 (f"{_median([r['final']['test_acc'] for r in runs]):.4f}" if done
                  else "(stopped at target)"),
                 f"{_median([r['final']['bytes_sent_per_rank'] / 1e6 / n for r, n in zip(runs, steps)]):.3f}",
+                *_wire_cells(runs),
                 f"{_median([1000 * r['final']['train_time_s'] / n for r, n in zip(runs, steps)]):.0f}",
                 " ".join(runs[0].get("method_flags", [])) or "-",
             ]
@@ -295,7 +340,8 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
                 row.insert(2, per_seed)
             rows.append(row)
         headers = ["method", f"time to {tgt:g} (s)", "epoch reached", "speed-up vs ddp",
-                   f"test acc after {epochs} epochs", "MB/rank/step", "ms/step", "method flags"]
+                   f"test acc after {epochs} epochs", "MB/rank/step", "wire MB/rank/step", "wire/payload",
+                   "ms/step", "method flags"]
         if n_seeds > 1:
             headers[1] = f"median time to {tgt:g} (s)"
             headers.insert(2, "per seed (s)")
@@ -354,13 +400,15 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
                 f"{loss / ddp_loss:.3f}" if ddp_loss else "-",
                 f"{mb / 1e6:.3f}",
                 f"{100 * mb / dense:.2f}%",
+                *_wire_cells(runs),
                 f"{_median([1000 * r['final']['train_time_s'] / max(1, r['steps']) for r in runs]):.0f}",
                 " ".join(runs[0].get("method_flags", [])) or "-",
             ])
         steps = next(iter(by_method.values()))[0]["steps"]
         headers = ["method", f"time to ddp's final val loss {target:.4f} (s)" if target else "time to target (s)",
                    "per seed (s)", "speed-up vs ddp", f"val loss after {steps} steps", "vs ddp",
-                   "MB/rank/step", "% of ddp bytes", "ms/step", "method flags"]
+                   "MB/rank/step", "% of ddp bytes", "wire MB/rank/step", "wire/payload", "ms/step",
+                   "method flags"]
         parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     return "\n".join(parts) + "\n"
 
@@ -454,7 +502,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
     if os.geteuid() != 0:
         p.error("network namespaces need root")
-    forbidden_args = ["--rank", "--world-size", "--master-addr", "--master-port", "--method", "--compare", "--out"]
+    forbidden_args = ["--rank", "--world-size", "--master-addr", "--master-port", "--method", "--compare", "--out",
+                      "--wire-iface"]
     if a.seeds is not None:
         forbidden_args.append("--seed")
         try:

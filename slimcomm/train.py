@@ -127,6 +127,7 @@ from .workloads import models as models_mod
 from .workloads import text as text_mod
 from .agreement import agree_across_ranks
 from .report import RESULT_FORMAT, compare_table, compute_config_key, plot_results, setting_summary
+from .wire import WireCounter
 
 log = logging.getLogger("slimcomm.train" if __name__ == "__main__" else __name__)
 
@@ -287,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads per rank (default: CPU cores / local ranks)")
     g.add_argument("--timeout", type=_positive_float("--timeout"), default=600.0,
                    help="seconds a collective may wait before the job fails")
+    g.add_argument("--wire-iface", default=None, metavar="IFACE",
+                   help="also report the bytes this network interface sent and received (kernel counters) during "
+                        "training steps, per rank and per step (bench/netbench.py sets it)")
 
     g = p.add_argument_group("images (--model mlp / cnn)")
     g.add_argument("--dataset", choices=("auto", "fashion-mnist", "digits"), default=None,
@@ -1146,9 +1150,11 @@ def _train(rank, world_size, args, device, backend):
     wall0 = time.perf_counter()
     err = None
     task = None
+    wire = None
     try:
         task = (_TextTask if args.model == "gpt" else _ImageTask)(args, rank, world_size, device)
         fp = _config_fingerprint(args, task.fingerprint_extra)
+        wire = WireCounter(args.wire_iface) if getattr(args, "wire_iface", None) else None
     except Exception as e:  # report to the other ranks before re-raising
         err = e
         fp = 0
@@ -1171,7 +1177,8 @@ def _train(rank, world_size, args, device, backend):
     def do_eval(position):
         nonlocal train_time, eval_time, time_to_target
         t0 = time.perf_counter()
-        method.before_eval()  # IST: write back + repartition (communication, counted as training)
+        with wire.window() if wire is not None else contextlib.nullcontext():
+            method.before_eval()  # IST: write back + repartition (communication, counted as training)
         t1 = time.perf_counter()
         with method.eval_context():
             scores = task.evaluate(method.eval_model(), world_size)
@@ -1206,7 +1213,8 @@ def _train(rank, world_size, args, device, backend):
         for i in range(n_steps):
             t0 = time.perf_counter()
             xb, yb = get(i)
-            loss, corr = method.train_step(xb, yb)
+            with wire.window(step=True) if wire is not None else contextlib.nullcontext():
+                loss, corr = method.train_step(xb, yb)
             train_time += time.perf_counter() - t0
             if not math.isfinite(loss):
                 raise FloatingPointError(f"rank {rank}: training loss became {loss} at step {method.steps} "
@@ -1244,6 +1252,10 @@ def _train(rank, world_size, args, device, backend):
         if stop or (args.stop_at_target and time_to_target is not None):
             break
 
+    wire_ranks = None
+    if wire is not None:  # one small collective after training, outside the counted windows
+        wire_ranks = [None] * world_size
+        dist.all_gather_object(wire_ranks, wire.summary())
     final = evals[-1]
     final_scores = {k: final[k] for k in final if k in ("test_acc", "test_loss", "val_loss")}
     model_info = task.model_info()
@@ -1276,6 +1288,7 @@ def _train(rank, world_size, args, device, backend):
                       wall_time_s=time.perf_counter() - wall0, bytes_sent_per_rank=method.bytes_sent(),
                       dense_bytes_per_rank=method.steps * method.dense_step_bytes),
         "time_to_target": time_to_target,
+        "wire": wire_ranks,
         "stats": method.stats(),
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
                 "threads_per_rank": args.threads},

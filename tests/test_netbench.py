@@ -93,3 +93,37 @@ def test_netbench_tiny_job(tmp_path):
     mb_per_step = ddp["dense_bytes_per_step"] / 1e6
     assert ddp["final"]["train_time_s"] / ddp["steps"] > 0.7 * mb_per_step * 8 / 30
     assert ddp["final"]["train_time_s"] > 1.3 * fp16["final"]["train_time_s"]
+
+
+def test_bridge_three_ranks_wire_counters(tmp_path):
+    """3 ranks through a rate-limited bridge: each rank's interface counters are read, ddp's wire bytes per
+    step match a ring all-reduce (each rank sends and receives 2 (W-1)/W of the buffer, plus framing), the
+    shared index set puts far fewer bytes on the wire, and the namespaces (hub included) are removed."""
+    import netbench
+
+    out = tmp_path / "res"
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "bench", "netbench.py"), "--world-size", "3", "--rates", "200mbit",
+         "--methods", "ddp,slimdp", "--out-dir", str(out), "--name", "bridge", "--timeout", "240",
+         "--port", "29581", "--",
+         "--dataset", "digits", "--hidden", "256,256", "--epochs", "1", "--batch-size", "32",
+         "--eval-every", "20", "--target-acc", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=500)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert not {n for n in _netns_names() if n.startswith(f"scb{proc.pid}")}  # ranks and hub
+    md = (out / "bridge.md").read_text()
+    assert "wire MB/rank/step" in md and "| slimdp" in md
+    ddp = json.loads((out / "bridge" / "200mbit_ddp.json").read_text())
+    slim = json.loads((out / "bridge" / "200mbit_slimdp.json").read_text())
+    for r in (ddp, slim):
+        assert len(r["wire"]) == 3 and [w["iface"] for w in r["wire"]] == ["v0", "v1", "v2"]
+        assert all(len(w["per_step_bytes"]) == r["steps"] for w in r["wire"])
+    d, s = netbench.steady_bytes_per_step(ddp), netbench.steady_bytes_per_step(slim)
+    ring = 2 * 2 * (3 - 1) / 3  # TX + RX, each 2 (W-1)/W of the buffer
+    assert ring * 1.0 < d["wire"] / d["payload"] < ring * 1.15, d
+    assert d["wire_max"] / d["wire_min"] < 1.1, d  # every rank of the ring carries the same
+    assert s["wire"] < d["wire"] / 10, (s, d)
