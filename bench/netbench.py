@@ -259,7 +259,7 @@ def _ttt(runs: Sequence[Dict]) -> Optional[float]:
 def _dense_warmup_steps(run: Dict) -> int:
     """Leading steps in which the method sends dense gradients (slimdp/topk warm-up, PowerSGD's
     start iteration), excluded from the steady-state per-step figures."""
-    cfg, m = run["config"], run["method"]
+    cfg, m = run.get("config", {}), run.get("method")
     if m in ("slimdp", "topk"):
         w = cfg.get("warmup_steps") or 0
     elif m == "powersgd":
@@ -290,9 +290,9 @@ def steady_bytes_per_step(run: Dict) -> Dict[str, Optional[float]]:
 
 def _wire_cells(runs: Sequence[Dict]) -> List[str]:
     """['wire MB/rank/step', 'wire / payload'] table cells (medians over seeds)."""
-    b = [steady_bytes_per_step(r) for r in runs]
-    if any(x["wire"] is None for x in b):
+    if not runs or not all(r.get("wire") for r in runs):
         return ["-", "-"]
+    b = [steady_bytes_per_step(r) for r in runs]
     wire = _median([x["wire"] for x in b])
     ratio = _median([x["wire"] / x["payload"] for x in b if x["payload"] > 0]) if any(
         x["payload"] > 0 for x in b) else None
