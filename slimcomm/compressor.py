@@ -172,7 +172,7 @@ class _Layout:
         "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
-        "_lengths", "_wcache", "_offsets_t",
+        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -211,6 +211,8 @@ class _Layout:
         self._lengths = None  # int64 [S] segment lengths on the device (segment_reduce)
         self._wcache = None   # (param data_ptrs, fp32 weight [N], its segment views, sources)
         self._offsets_t = None  # int64 [S + 1] segment offsets on the device (fused step ops)
+        self.qpad = None  # the zero paddings of the quantised payload (value_bits only)
+        self._cksum = {}  # k -> (int64 arange(1, k + 1), int64 k) of the index checksums
 
     def lengths(self) -> torch.Tensor:
         """int64 ``[S]`` segment lengths on the device, built once per layout."""
@@ -1226,20 +1228,6 @@ def _segment_max_abs(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
     return torch.segment_reduce(buf.abs(), "max", lengths=layout.lengths(), initial=0)
 
 
-def _segment_flags(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[S]`` per parameter of this rank's new values ``buf``: NaN if they hold
-    NaN/inf, else 1 if any is nonzero, else 0 (exact). Summed over the ranks: NaN if
-    non-finite on some rank, 0 if exactly zero on every rank (e.g. a parameter no rank
-    used, whose result DDP discards), else the number of ranks with nonzero values.
-    (The residual is always finite, so ``buf`` decides whether ``acc`` is.)
-
-    Segmented, a fixed few ops: ``m = max |x|`` per segment, ``m * 0 + (m != 0)``."""
-    m = _segment_max_abs(layout, buf)
-    if m.dtype != torch.float32:
-        m = m.float()
-    return m.mul(0.0).add_(m != 0)
-
-
 def _select_explore(state, layout, core, step):
     if sum(layout.ms) == 0:
         return core, 0
@@ -1259,9 +1247,12 @@ def _encode(state, layout, buf, idx, world_size, wire_dtype, scale, accumulated=
     """``(wire, acc)``: one fused op (``slimcomm.ops.step_encode``) for steps 1 and 4-5
     of the module docstring on this rank's side: ``acc = buf + error_decay * scale *
     residual`` (fp32, into the spare buffer; already there when ``accumulated``), the
-    payload ``[acc[idx] / world_size | flags]`` in ``wire_dtype`` (flags as in
-    :func:`_segment_flags`), and in ``acc`` the next residual (sent coordinates zeroed,
-    or set to what the fp16 saturation clipped off, divided by the loss ``scale``).
+    payload ``[acc[idx] / world_size | flags]`` in ``wire_dtype`` (per parameter of this
+    rank's new values ``buf``: NaN if they hold NaN/inf, else 1 if any is nonzero, else 0;
+    summed over the ranks: NaN if non-finite on some rank, 0 if exactly zero on every
+    rank, e.g. a parameter no rank used, whose result DDP discards), and in ``acc`` the
+    next residual (sent coordinates zeroed, or set to what the fp16 saturation clipped
+    off, divided by the loss ``scale``).
 
     On an fp16 wire without a loss scale the values are saturated at
     :func:`_fp16_limit` so the sum cannot overflow (a residual piled up over many steps
@@ -1382,9 +1373,12 @@ def _index_checksums(state, layout, idx, extra=()):
     """``(max, min)`` over the ranks of int64 checksums of ``idx`` (plus the int64 0-d
     tensors ``extra``); one tiny all-reduce, counted in the stats as a check."""
     k = idx.numel()
-    w = torch.arange(1, k + 1, dtype=torch.int64, device=idx.device)
-    sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(),
-                        torch.tensor(k, dtype=torch.int64, device=idx.device), *extra])
+    cached = layout._cksum.get(k)
+    if cached is None:  # the position weights and k itself, fixed per layout and size
+        cached = layout._cksum[k] = (torch.arange(1, k + 1, dtype=torch.int64, device=idx.device),
+                                     torch.tensor(k, dtype=torch.int64, device=idx.device))
+    w, kt = cached
+    sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(), kt, *extra])
     hi, lo = max_min_across_ranks(sums, state.group)
     state._count_check(2 * sums.numel() * sums.element_size())
     return hi, lo
@@ -1433,26 +1427,29 @@ def _quantised(state, layout, buf, world_size, step, weight):
                                 state.quant_chunk, layout.device)
     bits, plan = state.value_bits, layout.plan
     scale = state._loss_scale(layout)
-    acc = _accumulate(state, layout, buf, scale)
-    flags = _segment_flags(layout, buf)
-    vals = ops.pack(acc, idx)
+    k = idx.numel()
+    S = len(layout.numels)
+    # One fused op: acc = buf + error_decay * scale * residual (into the spare buffer),
+    # [acc[idx] | flags] in fp32 (world size 1: undivided), acc[idx] = 0, acc /= scale.
+    head, acc = _encode(state, layout, buf, idx, 1, torch.float32, scale)
+    vals, flags = head[:k], head[k:]
     codes, scales = quantize(vals, plan, bits)
     own = dequantize(codes, scales, plan, bits)
     packed = pack_codes(codes, bits)
     nsc = plan.nchunks + plan.nchunks % 2  # keep the codes 4-byte aligned
-    S = flags.numel()
-    parts = [flags.view(torch.uint8), scales.view(torch.uint8),
-             torch.zeros(2 * (nsc - plan.nchunks), dtype=torch.uint8, device=acc.device),
-             packed, torch.zeros((-packed.numel()) % 4, dtype=torch.uint8, device=acc.device)]
+    if layout.qpad is None:  # zero padding of the payload, fixed per layout
+        layout.qpad = (torch.zeros(2 * (nsc - plan.nchunks), dtype=torch.uint8, device=buf.device),
+                       torch.zeros((-packed.numel()) % 4, dtype=torch.uint8, device=buf.device))
+    parts = [flags.view(torch.uint8), scales.view(torch.uint8), layout.qpad[0], packed,
+             layout.qpad[1]]
     wire = torch.cat(parts)
     P = wire.numel()
-    k = idx.numel()
     state._count(layout.numel * buf.element_size(), P, layout.numel, k, k - n_explore, n_explore)
-    if layout.residual is not None:
-        ops.unpack(acc, idx, vals.sub_(own))  # what was not delivered stays in the residual
-        if scale is not None:
-            acc.div_(scale)
-    gathered = torch.empty(world_size * P, dtype=torch.uint8, device=acc.device)
+    if acc is not None:
+        # what was not delivered (the rounding error) stays in the residual, unscaled
+        lost = vals.sub_(own)
+        ops.unpack(acc, idx, lost if scale is None else lost.div_(scale))
+    gathered = torch.empty(world_size * P, dtype=torch.uint8, device=buf.device)
     fut = _ALL_GATHER(gathered, wire, group=state.group, async_op=True).get_future()
 
     def done(_):
