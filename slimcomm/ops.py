@@ -467,7 +467,11 @@ def step_encode(
        ``clip``): what was not sent stays in the residual; then, with
        ``scale``, ``acc /= scale`` (the residual is kept unscaled).
 
-    Bit-identical to the ATen sequence it replaces (``reference.step_encode``).
+    Bit-identical to the ATen sequence it replaces (``reference.step_encode``) on
+    the same device: on CUDA the division by ``world_size`` is, as in ATen's CUDA
+    division by a Python number, a multiplication by its fp32 reciprocal (the
+    same as the CPU's true division for a power-of-two world size); the
+    accumulations with ``error_decay != 1`` or a ``scale`` run the ATen op itself.
 
     Args:
         buf: 1-D ``[N]`` fp32/fp16/bf16, contiguous (not modified).
