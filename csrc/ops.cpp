@@ -56,6 +56,20 @@ TORCH_LIBRARY(slimcomm, m) {
   m.def("gather_slices_multi(Tensor[] weights, Tensor?[] rows, Tensor?[] cols) -> Tensor");
   m.def("scatter_slices_multi(Tensor(a!)[] weights, Tensor?[] rows, Tensor?[] cols, "
         "Tensor buffer) -> ()");
+  // The fused Slim-DP step (slimcomm/compressor.py; contracts in slimcomm/ops.py).
+  m.def("step_encode(Tensor buf, Tensor indices, Tensor offsets, int world_size, "
+        "ScalarType wire_dtype, Tensor(a!)? acc=None, Tensor? residual=None, Tensor? scale=None, "
+        "float error_decay=1.0, bool accumulate=True, float? clip=None) -> Tensor");
+  m.def("step_commit(Tensor(a!) buf, Tensor indices, Tensor offsets, Tensor avg, "
+        "Tensor(b!) counter, Tensor(c!)? G=None, Tensor(d!)? acc=None, Tensor? residual=None, "
+        "Tensor? scale=None, bool keep_all_zero=False, bool return_old_g=False, "
+        "Tensor? void_in=None) -> (Tensor, Tensor)");
+  m.def("step_commit_local(Tensor(a!) buf, Tensor all_indices, Tensor all_values, "
+        "Tensor offsets, int world_size, Tensor(b!) counter, Tensor(c!)? acc=None, "
+        "Tensor? residual=None, bool keep_all_zero=False, Tensor? void_in=None) -> Tensor");
+  m.def("step_undo(Tensor void_flag, Tensor(a!)? residual=None, Tensor? spare=None, "
+        "Tensor(b!)? G=None, Tensor? indices=None, Tensor? old_g=None, "
+        "Tensor(c!)? counter=None) -> ()");
   m.def("_build_info() -> str", &build_info);
 }
 
@@ -63,7 +77,8 @@ TORCH_LIBRARY(slimcomm, m) {
 TORCH_LIBRARY_IMPL(slimcomm, CUDA, m) {
   for (const char* name : {"significance_topk", "significance_topk_segmented", "explore_sample",
                            "explore_sample_segmented", "pack", "unpack", "gather_slices",
-                           "scatter_slices", "gather_slices_multi", "scatter_slices_multi"}) {
+                           "scatter_slices", "gather_slices_multi", "scatter_slices_multi",
+                           "step_encode", "step_commit", "step_commit_local", "step_undo"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
   }
 }

@@ -102,17 +102,25 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, plan: ChunkPlan, bits:
     return level.mul_(scales.float()[..., plan.chunk_of])
 
 
+_SHIFTS = {}  # (device, bits) -> int32 [8 // bits] bit offsets of the codes in a byte
+
+
+def _shifts(device: torch.device, bits: int) -> torch.Tensor:
+    t = _SHIFTS.get((device, bits))
+    if t is None:
+        t = _SHIFTS[(device, bits)] = torch.arange(0, 8, bits, dtype=torch.int32, device=device)
+    return t
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``8 // bits`` codes per byte (low bits first); uint8 ``[ceil(K * bits / 8)]``."""
     per = 8 // bits
     pad = (-codes.numel()) % per
     c = torch.nn.functional.pad(codes, (0, pad)).view(-1, per).to(torch.int32)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
-    return (c << shifts).sum(1).to(torch.uint8)
+    return (c << _shifts(codes.device, bits)).sum(1).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes` over the last dimension: uint8 ``[..., numel]``."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    c = (packed.to(torch.int32).unsqueeze(-1) >> _shifts(packed.device, bits)) & ((1 << bits) - 1)
     return c.flatten(-2)[..., :numel].to(torch.uint8)

@@ -171,8 +171,8 @@ class _Layout:
     __slots__ = (
         "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
-        "core", "topk_ks", "has_dense", "names", "zeros", "pending", "label", "plan",
-        "_lengths", "_idx_seg", "_wcache",
+        "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
+        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -203,15 +203,16 @@ class _Layout:
             self.residual = None
             self.spare = None
         self.core: Optional[torch.Tensor] = None  # int64 [sum ks], bucket-flat indices
-        self.zeros: Optional[torch.Tensor] = None  # fp32 [K] cache for zeroing sent residuals
         # Parameter-local cores known for some segments only (from a checkpoint or an
         # older layout) while others must be computed: list of tensor-or-None.
         self.pending: Optional[List[Optional[torch.Tensor]]] = None
         self.label = ""  # names the group in errors, e.g. "bucket 3"
         self.plan = None  # codec.ChunkPlan of the packed values (value_bits only)
         self._lengths = None  # int64 [S] segment lengths on the device (segment_reduce)
-        self._idx_seg = {}    # order -> int64 [k] segment of each index-set entry
         self._wcache = None   # (param data_ptrs, fp32 weight [N], its segment views, sources)
+        self._offsets_t = None  # int64 [S + 1] segment offsets on the device (fused step ops)
+        self.qpad = None  # the zero paddings of the quantised payload (value_bits only)
+        self._cksum = {}  # k -> (int64 arange(1, k + 1), int64 k) of the index checksums
 
     def lengths(self) -> torch.Tensor:
         """int64 ``[S]`` segment lengths on the device, built once per layout."""
@@ -219,22 +220,12 @@ class _Layout:
             self._lengths = torch.tensor(self.numels, dtype=torch.int64, device=self.device)
         return self._lengths
 
-    def idx_segments(self, order: str) -> torch.Tensor:
-        """int64 ``[k]``: the segment of each entry of the index set, fixed per layout.
-        ``order`` ``"split"``: all cores (``ks`` per segment) then all explores (``ms``);
-        ``"sorted"``: ascending indices (``ks + ms`` per segment)."""
-        t = self._idx_seg.get(order)
-        if t is None:
-            segs = torch.arange(len(self.numels), device=self.device)
-            if order == "sorted":
-                counts = [k + m for k, m in zip(self.ks, self.ms)]
-                t = torch.repeat_interleave(segs, torch.tensor(counts, device=self.device))
-            else:
-                t = torch.cat([
-                    torch.repeat_interleave(segs, torch.tensor(self.ks, device=self.device)),
-                    torch.repeat_interleave(segs, torch.tensor(self.ms, device=self.device))])
-            self._idx_seg[order] = t
-        return t
+    def offsets_tensor(self) -> torch.Tensor:
+        """int64 ``[S + 1]`` segment offsets on the device, built once per layout (the
+        fused step ops read the segment boundaries from it, without a host copy)."""
+        if self._offsets_t is None:
+            self._offsets_t = torch.tensor(self.offsets, dtype=torch.int64, device=self.device)
+        return self._offsets_t
 
     def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
         """``[S]`` -> ``[N]``: each segment's value repeated over its elements (one op,
@@ -823,17 +814,6 @@ class SlimDPCompressor:
             scale = scale.to(device=layout.device, dtype=torch.float32)
         return scale
 
-    def _record_commit(self, layout: _Layout, step: int, idx: torch.Tensor,
-                       undo_g: Optional[torch.Tensor], void: torch.Tensor) -> None:
-        """Remember a commit so :meth:`_settle` can undo it; ``void``: bool 0-d device
-        tensor, some parameter of this group was non-finite (never read on the host)."""
-        if not self._VOID_NONFINITE_STEP:
-            return
-        with self._lock:
-            self._undo.append((layout, step, idx, undo_g))
-            old = self._void_flags.get(step)
-            self._void_flags[step] = void if old is None else old | void
-
     def _dev_count(self, device) -> torch.Tensor:
         """int64 ``[2]`` device counters (non-finite parameter-steps, voided steps), added
         to without a host sync and read only by :attr:`stats`."""
@@ -867,15 +847,21 @@ class SlimDPCompressor:
             void = flags.get(step)
             if void is None:
                 continue
-            if step not in counted:
+            counter = None
+            if step not in counted:  # the voided-steps counter, once per step
                 counted.add(step)
-                self._dev_count(void.device)[1:].add_(void)
+                counter = self._dev_count(void.device)
             if self._layouts.get(tuple(layout.positions)) is not layout:
+                if counter is not None:
+                    ops.step_undo(void, counter=counter)
                 continue
-            if layout.residual is not None:
-                torch.where(void, layout.spare, layout.residual, out=layout.residual)
-            if undo_g is not None:
-                ops.unpack(layout.G, idx, torch.where(void, undo_g, ops.pack(layout.G, idx)))
+            has_res = layout.residual is not None
+            has_g = undo_g is not None
+            # one fused op: residual <- old residual and G[idx] <- old G where void
+            ops.step_undo(void, residual=layout.residual if has_res else None,
+                          spare=layout.spare if has_res else None,
+                          G=layout.G if has_g else None, indices=idx if has_g else None,
+                          old_g=undo_g, counter=counter)
 
     # ------------------------------------------------------------ stats
     def _count(self, dense_bytes: int, sent_bytes: int, numel: int, sent: int,
@@ -1242,20 +1228,6 @@ def _segment_max_abs(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
     return torch.segment_reduce(buf.abs(), "max", lengths=layout.lengths(), initial=0)
 
 
-def _segment_flags(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[S]`` per parameter of this rank's new values ``buf``: NaN if they hold
-    NaN/inf, else 1 if any is nonzero, else 0 (exact). Summed over the ranks: NaN if
-    non-finite on some rank, 0 if exactly zero on every rank (e.g. a parameter no rank
-    used, whose result DDP discards), else the number of ranks with nonzero values.
-    (The residual is always finite, so ``buf`` decides whether ``acc`` is.)
-
-    Segmented, a fixed few ops: ``m = max |x|`` per segment, ``m * 0 + (m != 0)``."""
-    m = _segment_max_abs(layout, buf)
-    if m.dtype != torch.float32:
-        m = m.float()
-    return m.mul(0.0).add_(m != 0)
-
-
 def _select_explore(state, layout, core, step):
     if sum(layout.ms) == 0:
         return core, 0
@@ -1271,89 +1243,78 @@ def _fp16_limit(world_size: int) -> float:
     return 2.0 ** math.floor(math.log2(_FP16_MAX / world_size))
 
 
-def _payload(acc, idx, flags, world_size, dtype, scale=None):
-    """``([pack(acc, idx) / world_size, flags]`` in the wire dtype, kept``)``.
+def _encode(state, layout, buf, idx, world_size, wire_dtype, scale, accumulated=False):
+    """``(wire, acc)``: one fused op (``slimcomm.ops.step_encode``) for steps 1 and 4-5
+    of the module docstring on this rank's side: ``acc = buf + error_decay * scale *
+    residual`` (fp32, into the spare buffer; already there when ``accumulated``), the
+    payload ``[acc[idx] / world_size | flags]`` in ``wire_dtype`` (per parameter of this
+    rank's new values ``buf``: NaN if they hold NaN/inf, else 1 if any is nonzero, else 0;
+    summed over the ranks: NaN if non-finite on some rank, 0 if exactly zero on every
+    rank, e.g. a parameter no rank used, whose result DDP discards), and in ``acc`` the
+    next residual (sent coordinates zeroed, or set to what the fp16 saturation clipped
+    off, divided by the loss ``scale``).
 
-    On an fp16 wire without a loss scale (``scale`` None) the values are saturated at
+    On an fp16 wire without a loss scale the values are saturated at
     :func:`_fp16_limit` so the sum cannot overflow (a residual piled up over many steps
-    would otherwise turn into inf on every send, and never drain); ``kept`` (fp32
-    ``[k]``, ``world_size`` times what was clipped off) is what stays in the residual at
-    the sent coordinates, else None. With a GradScaler attached an overflow is left to
-    become inf: the scaler skips the step (undone for every parameter) and lowers the
-    scale, and the residual, kept unscaled, then fits.
-    """
-    vals = ops.pack(acc, idx).div_(world_size)
-    kept = None
-    if dtype == torch.float16 and scale is None:
-        lim = _fp16_limit(world_size)
-        sent = vals.clamp(-lim, lim)
-        kept = vals.sub(sent).mul_(world_size)
-        vals = sent
-    return torch.cat([vals, flags]).to(dtype), kept
+    would otherwise turn into inf on every send, and never drain); ``world_size`` times
+    what was clipped off stays in the residual. With a GradScaler attached an overflow
+    is left to become inf: the scaler skips the step (undone for every parameter) and
+    lowers the scale, and the residual, kept unscaled, then fits. ``acc`` is None
+    without error feedback."""
+    clip = _fp16_limit(world_size) if wire_dtype == torch.float16 and scale is None else None
+    acc = layout.spare if layout.residual is not None else None
+    wire = ops.step_encode(buf, idx, layout.offsets_tensor(), world_size, wire_dtype, acc=acc,
+                           residual=None if accumulated else layout.residual, scale=scale,
+                           error_decay=state.error_decay, accumulate=not accumulated,
+                           clip=clip)
+    return wire, acc
 
 
-def _zero_sent(layout, acc, idx, kept=None, scale=None):
-    """``acc`` with the sent coordinates zeroed (or set to ``kept``), divided by the loss
-    ``scale``: the next residual (if the step is finite)."""
-    if layout.residual is None:
-        return
-    k = idx.numel()
-    if kept is None:
-        if layout.zeros is None or layout.zeros.numel() != k:
-            layout.zeros = torch.zeros(k, dtype=torch.float32, device=acc.device)
-        kept = layout.zeros
-    ops.unpack(acc, idx, kept)
-    if scale is not None:
-        acc.div_(scale)
+def _commit(state, layout, buf, acc, idx, avg, step, scale, local=None):
+    """After the collective: ``buf``, ``G`` and the residual updated, NaN where flagged.
 
+    One fused op: ``slimcomm.ops.step_commit`` (``avg``: the summed payload ``[values |
+    flags]`` of :func:`_encode`, values at ``idx``) or, with ``local = (all_idx,
+    all_val, world_size)``, ``slimcomm.ops.step_commit_local`` (every rank's pairs).
+    Per parameter ``good`` = flags finite (and nonzero under ``_KEEP_ALL_ZERO``) and the
+    averaged values finite: the residual becomes ``acc`` where good and stays the old
+    one elsewhere; ``G[idx]`` (shared mode) takes the averaged values (divided by the
+    loss ``scale``) where good. A parameter flagged NaN on some rank comes back NaN;
+    under ``_KEEP_ALL_ZERO`` one that was exactly zero on every rank comes back zero and
+    keeps its residual and ``G``. The non-finite count stays on the device.
 
-def _commit(state, layout, buf, acc, idx, vals, flags, step, scale, order="split"):
-    """After the collective: update ``G`` and the residual, fill NaN where flagged.
-
-    ``flags``: the summed per-parameter flags of :func:`_segment_flags`. With the
-    ``_KEEP_ALL_ZERO`` policy a parameter whose values were zero on every rank keeps its
-    residual and ``G`` and comes back zero. With ``_VOID_NONFINITE_STEP`` the old ``G``
-    values at ``idx`` are kept (the old residual stays in ``layout.spare``) so that
+    With ``_VOID_NONFINITE_STEP`` the old ``G`` values at ``idx`` are returned by the op
+    (the old residual stays in ``layout.spare``) so that
     :meth:`SlimDPCompressor._settle` can undo the whole step if any parameter of it was
-    non-finite. ``order``: how ``idx`` is laid out (see ``_Layout.idx_segments``).
+    non-finite; the op ORs its own "some parameter was non-finite" into the step's flag.
+    No host sync, a fixed number of ops whatever the number of parameters."""
+    counter = state._dev_count(buf.device)
+    residual = layout.residual
+    if residual is None:
+        acc = None  # no error feedback: nothing to keep
+    void_policy = state._VOID_NONFINITE_STEP
 
-    Branchless, a fixed number of ops whatever the number of parameters and no host
-    sync: per parameter (``[S]``) ``good`` = flags finite (and nonzero under
-    ``_KEEP_ALL_ZERO``) and the averaged values finite; ``torch.where`` then keeps the
-    old residual and ``G`` of the parameters that are not good, fills NaN (flagged) or
-    zeros (all-zero) into ``buf``; the non-finite count stays on the device.
-    """
-    shared = state.index_mode == "shared"
-    g_vals = vals if vals.dtype == torch.float32 else vals.float()
-    if scale is not None and shared:
-        g_vals = g_vals / scale
-    fl = flags if flags.dtype == torch.float32 else flags.float()
-    # finite flags and finite averaged values: fl is NaN or a small count >= 0
-    fin = torch.isfinite(_segment_max_abs(layout, buf).add(fl))
-    if state._KEEP_ALL_ZERO:
-        keep = fl > 0                # neither flagged (NaN) nor zero on every rank
-        good = keep.logical_and(fin)
-        bad = torch.eq(good, fl == 0).sum()  # not good and not all-zero
-    else:
-        keep = fl == fl              # not flagged
-        good = fin
-        bad = fin.logical_not().sum()
-    fill = fl.mul(0.0)               # NaN where flagged, 0 where all-zero
-    if fill.dtype != buf.dtype:
-        fill = fill.to(buf.dtype)
-    torch.where(layout.expand(keep), buf, layout.expand(fill), out=buf)
-    undo_g = None
-    if shared:
-        old_g = ops.pack(layout.G, idx)
-        good_at = good[layout.idx_segments(order)]
-        ops.unpack(layout.G, idx, torch.where(good_at, g_vals, old_g))
-        undo_g = old_g if state._VOID_NONFINITE_STEP else None
-    if layout.residual is not None:
-        torch.where(layout.expand(good), acc, layout.residual, out=acc)
-        layout.residual, layout.spare = acc, layout.residual
-    state._note_nonfinite(bad)
-    if state._VOID_NONFINITE_STEP:
-        state._record_commit(layout, step, idx, undo_g, bad > 0)
+    def run(prev):
+        if local is not None:
+            all_idx, all_val, world_size = local
+            void = ops.step_commit_local(buf, all_idx, all_val, layout.offsets_tensor(),
+                                         world_size, counter, acc=acc, residual=residual,
+                                         keep_all_zero=state._KEEP_ALL_ZERO, void_in=prev)
+            return None, void
+        return ops.step_commit(buf, idx, layout.offsets_tensor(), avg, counter, G=layout.G,
+                               acc=acc, residual=residual, scale=scale,
+                               keep_all_zero=state._KEEP_ALL_ZERO, return_old_g=void_policy,
+                               void_in=prev)
+
+    with state._lock:  # the counter (and the step's flag) updated atomically
+        if void_policy:
+            old_g, void = run(state._void_flags.get(step))
+            state._undo.append((layout, step, idx, old_g))
+            state._void_flags[step] = void
+        else:
+            run(None)
+    if residual is not None:
+        layout.residual, layout.spare = acc, residual
 
 
 def _shared(state, layout, buf, world_size, step, weight):
@@ -1364,21 +1325,15 @@ def _shared(state, layout, buf, world_size, step, weight):
     if state.check_agreement_every and since % state.check_agreement_every == 0:
         _check_agreement(state, layout, idx)
     scale = state._loss_scale(layout)
-    acc = _accumulate(state, layout, buf, scale)
-    flags = _segment_flags(layout, buf)
-    wire, kept = _payload(acc, idx, flags, world_size, state.value_dtype or buf.dtype, scale)
+    wire, acc = _encode(state, layout, buf, idx, world_size, state.value_dtype or buf.dtype,
+                        scale)
     k = idx.numel()
     state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size(),
                  layout.numel, k, k - n_explore, n_explore)
-    _zero_sent(layout, acc, idx, kept, scale)
     fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
 
     def done(f):
-        avg = f.value()[0]
-        vals = avg[:k]
-        buf.zero_()
-        ops.unpack(buf, idx, vals if vals.dtype == buf.dtype else vals.to(buf.dtype))
-        _commit(state, layout, buf, acc, idx, vals, avg[k:], step, scale)
+        _commit(state, layout, buf, acc, idx, f.value()[0], step, scale)
         return buf
 
     return fut.then(done)
@@ -1393,33 +1348,22 @@ def _local(state, layout, buf, world_size, step, weight):
         weight = state._flat_weight(layout)
     core, _ = ops.significance_topk_segmented(weight, acc, layout.offsets, layout.ks, state.score)
     idx, n_explore = _select_explore(state, layout, core, step)
-    flags = _segment_flags(layout, buf)
     wire_dtype = state.value_dtype or buf.dtype
-    wire, kept = _payload(acc, idx, flags, world_size, wire_dtype, scale)
+    wire, acc = _encode(state, layout, buf, idx, world_size, wire_dtype, scale,
+                        accumulated=True)
     k = idx.numel()
-    S = flags.numel()
+    S = len(layout.numels)
     state._count(layout.numel * buf.element_size(),
                  wire.numel() * wire.element_size() + k * 8,
                  layout.numel, k, k - n_explore, n_explore)
-    _zero_sent(layout, acc, idx, kept, scale)
     all_idx = torch.empty(world_size * k, dtype=torch.int64, device=idx.device)
     all_val = torch.empty(world_size * (k + S), dtype=wire_dtype, device=idx.device)
     f1 = _ALL_GATHER(all_idx, idx, group=state.group, async_op=True).get_future()
     f2 = _ALL_GATHER(all_val, wire, group=state.group, async_op=True).get_future()
 
     def done(_):
-        vals = all_val.view(world_size, k + S)
-        ids = all_idx.view(world_size, k)
-        out = buf if buf.dtype == torch.float32 else torch.empty(
-            buf.numel(), dtype=torch.float32, device=buf.device)
-        out.zero_()
-        for r in range(world_size):
-            v = vals[r, :k]
-            ops.unpack(out, ids[r], v if v.dtype == torch.float32 else v.float(), True)
-        if out is not buf:
-            buf.copy_(out)
-        flags_all = vals[:, k:].float().sum(0)
-        _commit(state, layout, buf, acc, idx, out[:0], flags_all, step, scale)
+        _commit(state, layout, buf, acc, idx, None, step, scale,
+                local=(all_idx, all_val, world_size))
         return buf
 
     return torch.futures.collect_all([f1, f2]).then(done)
@@ -1429,9 +1373,12 @@ def _index_checksums(state, layout, idx, extra=()):
     """``(max, min)`` over the ranks of int64 checksums of ``idx`` (plus the int64 0-d
     tensors ``extra``); one tiny all-reduce, counted in the stats as a check."""
     k = idx.numel()
-    w = torch.arange(1, k + 1, dtype=torch.int64, device=idx.device)
-    sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(),
-                        torch.tensor(k, dtype=torch.int64, device=idx.device), *extra])
+    cached = layout._cksum.get(k)
+    if cached is None:  # the position weights and k itself, fixed per layout and size
+        cached = layout._cksum[k] = (torch.arange(1, k + 1, dtype=torch.int64, device=idx.device),
+                                     torch.tensor(k, dtype=torch.int64, device=idx.device))
+    w, kt = cached
+    sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(), kt, *extra])
     hi, lo = max_min_across_ranks(sums, state.group)
     state._count_check(2 * sums.numel() * sums.element_size())
     return hi, lo
@@ -1480,26 +1427,29 @@ def _quantised(state, layout, buf, world_size, step, weight):
                                 state.quant_chunk, layout.device)
     bits, plan = state.value_bits, layout.plan
     scale = state._loss_scale(layout)
-    acc = _accumulate(state, layout, buf, scale)
-    flags = _segment_flags(layout, buf)
-    vals = ops.pack(acc, idx)
+    k = idx.numel()
+    S = len(layout.numels)
+    # One fused op: acc = buf + error_decay * scale * residual (into the spare buffer),
+    # [acc[idx] | flags] in fp32 (world size 1: undivided), acc[idx] = 0, acc /= scale.
+    head, acc = _encode(state, layout, buf, idx, 1, torch.float32, scale)
+    vals, flags = head[:k], head[k:]
     codes, scales = quantize(vals, plan, bits)
     own = dequantize(codes, scales, plan, bits)
     packed = pack_codes(codes, bits)
     nsc = plan.nchunks + plan.nchunks % 2  # keep the codes 4-byte aligned
-    S = flags.numel()
-    parts = [flags.view(torch.uint8), scales.view(torch.uint8),
-             torch.zeros(2 * (nsc - plan.nchunks), dtype=torch.uint8, device=acc.device),
-             packed, torch.zeros((-packed.numel()) % 4, dtype=torch.uint8, device=acc.device)]
+    if layout.qpad is None:  # zero padding of the payload, fixed per layout
+        layout.qpad = (torch.zeros(2 * (nsc - plan.nchunks), dtype=torch.uint8, device=buf.device),
+                       torch.zeros((-packed.numel()) % 4, dtype=torch.uint8, device=buf.device))
+    parts = [flags.view(torch.uint8), scales.view(torch.uint8), layout.qpad[0], packed,
+             layout.qpad[1]]
     wire = torch.cat(parts)
     P = wire.numel()
-    k = idx.numel()
     state._count(layout.numel * buf.element_size(), P, layout.numel, k, k - n_explore, n_explore)
-    if layout.residual is not None:
-        ops.unpack(acc, idx, vals.sub_(own))  # what was not delivered stays in the residual
-        if scale is not None:
-            acc.div_(scale)
-    gathered = torch.empty(world_size * P, dtype=torch.uint8, device=acc.device)
+    if acc is not None:
+        # what was not delivered (the rounding error) stays in the residual, unscaled
+        lost = vals.sub_(own)
+        ops.unpack(acc, idx, lost if scale is None else lost.div_(scale))
+    gathered = torch.empty(world_size * P, dtype=torch.uint8, device=buf.device)
     fut = _ALL_GATHER(gathered, wire, group=state.group, async_op=True).get_future()
 
     def done(_):
@@ -1508,9 +1458,7 @@ def _quantised(state, layout, buf, world_size, step, weight):
         all_scales = rows[:, 4 * S:4 * S + 2 * plan.nchunks].view(torch.bfloat16)
         all_codes = unpack_codes(rows[:, 4 * S + 2 * nsc:], k, bits)
         avg = dequantize(all_codes, all_scales, plan, bits).sum(0).div_(world_size)
-        buf.zero_()
-        ops.unpack(buf, idx, avg if buf.dtype == torch.float32 else avg.to(buf.dtype))
-        _commit(state, layout, buf, acc, idx, avg, all_flags, step, scale, "sorted")
+        _commit(state, layout, buf, acc, idx, torch.cat([avg, all_flags]), step, scale)
         return buf
 
     return fut.then(done)

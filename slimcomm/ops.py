@@ -45,6 +45,10 @@ __all__ = [
     "gather_slices_multi",
     "scatter_slices_multi",
     "slices_numel",
+    "step_encode",
+    "step_commit",
+    "step_commit_local",
+    "step_undo",
 ]
 
 SCORES = ("product", "grad", "weight")
@@ -419,6 +423,213 @@ def slices_numel(
     return total
 
 
+
+# ---------------------------------------------------------------------------
+# The fused Slim-DP step (arXiv 1709.09393, Sec. 3; slimcomm.compressor)
+# ---------------------------------------------------------------------------
+#
+# One group (a DDP bucket, a run of pseudo-gradients) is a flat buffer of S
+# segments (parameters), segment s = [offsets[s], offsets[s + 1]). These four
+# ops do, each in one dispatched call whatever S is and without a host sync,
+# what the compressor did with ~50 elementwise/segmented ATen ops per group.
+# Indices are bucket-flat, unique within a call (as the selection ops produce
+# them; duplicates give unspecified results) and in [0, N): checked on CPU;
+# on CUDA they are not range-checked (that would need a host sync) and an
+# out-of-range index trips a device-side assertion. ``offsets`` contents
+# (0 = o[0] <= ... <= o[S] = N) are likewise checked on CPU only.
+
+def step_encode(
+    buf: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    world_size: int,
+    wire_dtype: torch.dtype,
+    acc: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
+    error_decay: float = 1.0,
+    accumulate: bool = True,
+    clip: Optional[float] = None,
+) -> torch.Tensor:
+    """This rank's Slim-DP payload, error feedback included, in one op.
+
+    1. With ``acc`` and ``accumulate``: ``acc = buf + error_decay * scale *
+       residual`` in fp32 (error feedback, Slim-DP Sec. 3 / DGC; the scale only
+       with a GradScaler). With ``accumulate=False`` ``acc`` already holds it
+       (the local index mode scores on it first). Without ``acc`` the values
+       are ``buf`` itself (no error feedback).
+    2. Per segment ``s`` a flag of ``buf`` (this rank's new values): NaN if a
+       value is NaN/inf, else 1 if any is nonzero, else 0.
+    3. ``wire = [v | flags]`` in ``wire_dtype`` with ``v = acc[indices] /
+       world_size``; with ``clip`` (the fp16 saturation limit) ``v`` is
+       clamped to ``[-clip, clip]``.
+    4. ``acc[indices] = world_size * (unclamped v - clamped v)`` (0 without
+       ``clip``): what was not sent stays in the residual; then, with
+       ``scale``, ``acc /= scale`` (the residual is kept unscaled).
+
+    Bit-identical to the ATen sequence it replaces (``reference.step_encode``) on
+    the same device: on CUDA the division by ``world_size`` is, as in ATen's CUDA
+    division by a Python number, a multiplication by its fp32 reciprocal (the
+    same as the CPU's true division for a power-of-two world size); the
+    accumulations with ``error_decay != 1`` or a ``scale`` run the ATen op itself.
+
+    Args:
+        buf: 1-D ``[N]`` fp32/fp16/bf16, contiguous (not modified).
+        indices: 1-D int64 ``[k]``, the index set (bucket-flat, unique).
+        offsets: 1-D int64 ``[S + 1]`` on ``buf``'s device.
+        world_size: ``>= 1``, the divisor of the values.
+        wire_dtype: fp32, fp16 or bf16.
+        acc: fp32 ``[N]`` contiguous, written (must not alias the others).
+        residual: fp32 ``[N]``; required exactly when ``acc`` is given and
+            ``accumulate`` is True.
+        scale: fp32 one-element tensor (the loss scale) or None.
+        error_decay: the residual's weight, in ``(0, 1]``.
+        accumulate: compute ``acc`` (True) or read it (False).
+        clip: ``> 0`` saturation limit, or None.
+
+    Returns:
+        ``[k + S]`` tensor of ``wire_dtype``: values then flags.
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or devices, ``residual`` given
+            without ``acc`` (or missing), ``world_size < 1``, ``clip <= 0``,
+            an index out of range or malformed ``offsets`` (CPU); the message
+            names the argument.
+    """
+    return _ops.step_encode(buf, indices, offsets, world_size, wire_dtype, acc, residual, scale,
+                            float(error_decay), accumulate, clip)
+
+
+def step_commit(
+    buf: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    avg: torch.Tensor,
+    counter: torch.Tensor,
+    G: Optional[torch.Tensor] = None,
+    acc: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
+    keep_all_zero: bool = False,
+    return_old_g: bool = False,
+    void_in: Optional[torch.Tensor] = None,
+) -> tuple:
+    """Apply the summed payload of :func:`step_encode` (shared index set), in one op.
+
+    Per segment ``s``: ``fl`` = the summed flag (``avg[k + s]``), ``fin`` = ``fl``
+    finite and every value of ``s`` (``avg[j]`` for ``indices[j]`` in ``s``, cast
+    to ``buf``'s dtype) finite. Policy ``keep_all_zero=False``: ``keep = fl is
+    not NaN``, ``good = fin``, bad = not good. ``keep_all_zero=True`` (DDP: a
+    parameter no rank used is exactly zero everywhere): ``keep = fl > 0``,
+    ``good = keep and fin``, bad = not good and ``fl != 0``.
+
+    * ``buf`` = zeros with ``avg[:k]`` (cast) at ``indices``, in the kept
+      segments; ``fl * 0`` (NaN where flagged, else 0) in the others.
+    * ``G[indices] = avg[:k] / scale`` (fp32; no scale: unscaled) where good.
+    * ``acc`` (the residual-to-be) = ``residual`` in the segments that are not
+      good.
+    * ``counter[0] += number of bad segments``.
+
+    Args:
+        buf: 1-D ``[N]`` fp32/fp16/bf16, contiguous, overwritten.
+        indices: 1-D int64 ``[k]`` (any order, unique).
+        offsets: 1-D int64 ``[S + 1]`` on ``buf``'s device.
+        avg: ``[k + S]`` fp32/fp16/bf16, the all-reduced payload.
+        counter: int64 ``[>= 2]``, element 0 incremented.
+        G: fp32 ``[N]`` or None (no ``G`` update).
+        acc, residual: fp32 ``[N]``, both or neither.
+        scale: fp32 one-element tensor or None.
+        keep_all_zero: the policy above.
+        return_old_g: return ``G[indices]`` as it was before (needs ``G``).
+        void_in: bool one-element tensor or None, ORed into the result.
+
+    Returns:
+        ``(old_g, void)``: fp32 ``[k]`` (``[0]`` unless ``return_old_g``) and a
+        0-d bool tensor, ``void_in or (some segment bad)``.
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or devices (``avg`` not ``k + S``
+            long, ``acc`` without ``residual``, ``return_old_g`` without ``G``),
+            an index out of range or malformed ``offsets`` (CPU); the message
+            names the argument.
+    """
+    return _ops.step_commit(buf, indices, offsets, avg, counter, G, acc, residual, scale,
+                            keep_all_zero, return_old_g, void_in)
+
+
+def step_commit_local(
+    buf: torch.Tensor,
+    all_indices: torch.Tensor,
+    all_values: torch.Tensor,
+    offsets: torch.Tensor,
+    world_size: int,
+    counter: torch.Tensor,
+    acc: Optional[torch.Tensor] = None,
+    residual: Optional[torch.Tensor] = None,
+    keep_all_zero: bool = False,
+    void_in: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Apply the all-gathered (index, value) pairs of the local index mode, in one op.
+
+    ``buf`` = the sum over the ranks ``r = 0 .. W-1``, in this order and in fp32,
+    of rank ``r``'s values ``all_values[r, :k]`` scattered at
+    ``all_indices[r]`` (top-k / DGC baseline), cast to ``buf``'s dtype. Then as
+    :func:`step_commit` with ``fl`` = the sum of the ranks' flags
+    ``all_values[r, k:]``, ``fin`` = every element of the segment of ``buf``
+    finite, kept segments left as summed, and no ``G``.
+
+    Args:
+        buf: 1-D ``[N]`` fp32/fp16/bf16, contiguous, overwritten.
+        all_indices: int64 ``[W * k]``, rank-major (each rank's unique).
+        all_values: ``[W * (k + S)]`` fp32/fp16/bf16, rank-major, each rank's
+            :func:`step_encode` payload.
+        offsets: 1-D int64 ``[S + 1]`` on ``buf``'s device.
+        world_size: ``W >= 1``.
+        counter: int64 ``[>= 2]``, element 0 incremented by the bad count.
+        acc, residual: fp32 ``[N]``, both or neither.
+        keep_all_zero: as in :func:`step_commit`.
+        void_in: bool one-element tensor or None, ORed into the result.
+
+    Returns:
+        0-d bool tensor: ``void_in or (some segment bad)``.
+
+    Raises:
+        RuntimeError: sizes not ``W * k`` / ``W * (k + S)``, wrong dtypes or
+            devices, an index out of range (CPU); the message names the argument.
+    """
+    return _ops.step_commit_local(buf, all_indices, all_values, offsets, world_size, counter,
+                                  acc, residual, keep_all_zero, void_in)
+
+
+def step_undo(
+    void_flag: torch.Tensor,
+    residual: Optional[torch.Tensor] = None,
+    spare: Optional[torch.Tensor] = None,
+    G: Optional[torch.Tensor] = None,
+    indices: Optional[torch.Tensor] = None,
+    old_g: Optional[torch.Tensor] = None,
+    counter: Optional[torch.Tensor] = None,
+) -> None:
+    """Undo a committed step where ``void_flag`` is set, in one op, without a host sync.
+
+    Where ``void_flag`` (a GradScaler skipped the step, so nothing sent was applied):
+    ``residual = spare`` (the old residual) and ``G[indices] = old_g``. Always:
+    ``counter[1] += void_flag``.
+
+    Args:
+        void_flag: bool one-element tensor.
+        residual, spare: fp32 ``[N]``, both or neither.
+        G: fp32 ``[N]``; indices: int64 ``[k]``; old_g: fp32 ``[k]``; all three or
+            none.
+        counter: int64 ``[>= 2]`` or None.
+
+    Raises:
+        RuntimeError: arguments given without their partners, wrong dtypes,
+            shapes or devices, an index out of range (CPU).
+    """
+    _ops.step_undo(void_flag, residual, spare, G, indices, old_g, counter)
+
+
 # ---------------------------------------------------------------------------
 # Fake (meta) kernels: output shapes from the arguments alone.
 # ---------------------------------------------------------------------------
@@ -484,4 +695,28 @@ def _(weights, rows, cols):
 
 @torch.library.register_fake("slimcomm::scatter_slices_multi")
 def _(weights, rows, cols, buffer):
+    return None
+
+
+@torch.library.register_fake("slimcomm::step_encode")
+def _(buf, indices, offsets, world_size, wire_dtype, acc=None, residual=None, scale=None,
+      error_decay=1.0, accumulate=True, clip=None):
+    return buf.new_empty((indices.shape[0] + offsets.shape[0] - 1,), dtype=wire_dtype)
+
+
+@torch.library.register_fake("slimcomm::step_commit")
+def _(buf, indices, offsets, avg, counter, G=None, acc=None, residual=None, scale=None,
+      keep_all_zero=False, return_old_g=False, void_in=None):
+    k = indices.shape[0] if return_old_g else 0
+    return buf.new_empty((k,), dtype=torch.float32), buf.new_empty((), dtype=torch.bool)
+
+
+@torch.library.register_fake("slimcomm::step_commit_local")
+def _(buf, all_indices, all_values, offsets, world_size, counter, acc=None, residual=None,
+      keep_all_zero=False, void_in=None):
+    return buf.new_empty((), dtype=torch.bool)
+
+
+@torch.library.register_fake("slimcomm::step_undo")
+def _(void_flag, residual=None, spare=None, G=None, indices=None, old_g=None, counter=None):
     return None

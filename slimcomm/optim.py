@@ -352,7 +352,8 @@ class SlimDPOptimizer:
         for g, fut in zip(self._groups, futs):
             avg = fut.wait()
             # A parameter that was non-finite on some rank comes back NaN: skip its update.
-            avg = torch.where(torch.isfinite(avg), avg, torch.zeros((), device=avg.device))
+            # (nan_to_num to 0 is where(isfinite(avg), avg, 0), in one op)
+            avg = avg.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             if g.momentum is not None:
                 g.momentum.mul_(self.outer_momentum).add_(avg)
                 upd = avg.add(g.momentum, alpha=self.outer_momentum) if self.nesterov \

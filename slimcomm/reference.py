@@ -27,6 +27,10 @@ __all__ = [
     "scatter_slices",
     "gather_slices_multi",
     "scatter_slices_multi",
+    "step_encode",
+    "step_commit",
+    "step_commit_local",
+    "step_undo",
 ]
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -201,3 +205,130 @@ def scatter_slices_multi(weights, rows, cols, buffer):
         n = blk.numel()
         scatter_slices(w, r, c, buffer[pos:pos + n].view(blk.shape))
         pos += n
+
+
+# ---------------------------------------------------------------------------
+# The fused Slim-DP step: the ATen sequence the compressor ran before the fusion
+# ---------------------------------------------------------------------------
+
+def _lengths(offsets):
+    o = offsets.tolist() if torch.is_tensor(offsets) else list(offsets)
+    return torch.tensor([b - a for a, b in zip(o[:-1], o[1:])], dtype=torch.int64)
+
+
+def _seg_max_abs(x, offsets):
+    lengths = _lengths(offsets).to(x.device)
+    return torch.segment_reduce(x.abs(), "max", lengths=lengths, initial=0)
+
+
+def _expand(per_segment, offsets, n):
+    lengths = _lengths(offsets).to(per_segment.device)
+    return torch.repeat_interleave(per_segment, lengths, output_size=n)
+
+
+def _seg_of(indices, offsets):
+    o = torch.as_tensor(offsets, dtype=torch.int64, device=indices.device)
+    return torch.searchsorted(o, indices, right=True) - 1
+
+
+def step_encode(buf, indices, offsets, world_size, wire_dtype, acc=None, residual=None,
+                scale=None, error_decay=1.0, accumulate=True, clip=None):
+    if acc is not None and accumulate:
+        if scale is not None:
+            torch.addcmul(buf, residual, scale, value=error_decay, out=acc)
+        elif error_decay != 1.0:
+            torch.add(buf, residual, alpha=error_decay, out=acc)
+        else:
+            torch.add(residual, buf, out=acc)
+    src = acc if acc is not None else buf.float()
+    m = _seg_max_abs(buf, offsets).float()
+    flags = m.mul(0.0).add_(m != 0)
+    vals = src[indices].div_(world_size)
+    kept = None
+    if clip is not None:
+        sent = vals.clamp(-clip, clip)
+        kept = vals.sub(sent).mul_(world_size)
+        vals = sent
+    wire = torch.cat([vals, flags]).to(wire_dtype)
+    if acc is not None:
+        acc[indices] = kept if kept is not None else torch.zeros_like(vals)
+        if scale is not None:
+            acc.div_(scale)
+    return wire
+
+
+def _decide(fl, fin, keep_all_zero):
+    if keep_all_zero:
+        keep = fl > 0
+        good = keep.logical_and(fin)
+        bad = torch.eq(good, fl == 0).sum()
+    else:
+        keep = fl == fl
+        good = fin
+        bad = fin.logical_not().sum()
+    return keep, good, bad
+
+
+def step_commit(buf, indices, offsets, avg, counter, G=None, acc=None, residual=None,
+                scale=None, keep_all_zero=False, return_old_g=False, void_in=None):
+    k = indices.numel()
+    n = buf.numel()
+    vals, fl = avg[:k], avg[k:].float()
+    buf.zero_()
+    buf[indices] = vals.to(buf.dtype)
+    fin = torch.isfinite(_seg_max_abs(buf, offsets).add(fl))
+    keep, good, bad = _decide(fl, fin, keep_all_zero)
+    fill = fl.mul(0.0).to(buf.dtype)
+    torch.where(_expand(keep, offsets, n), buf, _expand(fill, offsets, n), out=buf)
+    old_g = torch.empty(0, dtype=torch.float32, device=buf.device)
+    if G is not None:
+        g_vals = vals.float()
+        if scale is not None:
+            g_vals = g_vals / scale
+        old = G[indices]
+        G[indices] = torch.where(good[_seg_of(indices, offsets)], g_vals, old)
+        if return_old_g:
+            old_g = old
+    if acc is not None:
+        torch.where(_expand(good, offsets, n), acc, residual, out=acc)
+    counter[:1].add_(bad)
+    void = bad > 0
+    if void_in is not None:
+        void = void | void_in.reshape(())
+    return old_g, void
+
+
+def step_commit_local(buf, all_indices, all_values, offsets, world_size, counter, acc=None,
+                      residual=None, keep_all_zero=False, void_in=None):
+    n = buf.numel()
+    S = len(offsets) - 1
+    k = all_indices.numel() // world_size
+    vals = all_values.view(world_size, k + S)
+    ids = all_indices.view(world_size, k)
+    out = torch.zeros(n, dtype=torch.float32, device=buf.device)
+    for r in range(world_size):
+        out.index_put_((ids[r],), vals[r, :k].float(), accumulate=True)
+    buf.copy_(out)
+    fl = vals[:, k:].float().sum(0)
+    fin = torch.isfinite(_seg_max_abs(buf, offsets).add(fl))
+    keep, good, bad = _decide(fl, fin, keep_all_zero)
+    fill = fl.mul(0.0).to(buf.dtype)
+    torch.where(_expand(keep, offsets, n), buf, _expand(fill, offsets, n), out=buf)
+    if acc is not None:
+        torch.where(_expand(good, offsets, n), acc, residual, out=acc)
+    counter[:1].add_(bad)
+    void = bad > 0
+    if void_in is not None:
+        void = void | void_in.reshape(())
+    return void
+
+
+def step_undo(void_flag, residual=None, spare=None, G=None, indices=None, old_g=None,
+              counter=None):
+    v = void_flag.reshape(())
+    if counter is not None:
+        counter[1:2].add_(v)
+    if residual is not None:
+        torch.where(v, spare, residual, out=residual)
+    if G is not None:
+        G[indices] = torch.where(v, old_g, G[indices])

@@ -1,0 +1,421 @@
+// CPU kernels of the fused Slim-DP step ops (see slimcomm/ops.py for the
+// contracts and slimcomm/reference.py for executable definitions):
+//
+//   step_encode        acc = buf + error_decay * scale * residual, the
+//                      per-segment flags of buf, the payload [acc[idx] / W |
+//                      flags] in the wire dtype (fp16 saturation), and the
+//                      residual-to-be (sent coordinates zeroed or set to what
+//                      was clipped off, divided by the loss scale);
+//   step_commit        after the all-reduce (shared index set): buf, G and the
+//                      residual updated per segment under the policies, the
+//                      non-finite count added to a counter;
+//   step_commit_local  the same after the all-gathers of the local mode
+//                      (scatter-add of every rank's pairs in rank order);
+//   step_undo          restore the residual and G of a voided step.
+//
+// Indices are unique within a call (by contract), so parallel loops write
+// disjoint locations and results do not depend on the thread count.
+#include "step.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+namespace slimcomm {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+using step::given;
+
+constexpr int64_t kGrain = 1 << 15;
+
+template <typename Fn>
+void dispatch_value(at::ScalarType st, Fn&& fn) {
+  switch (st) {
+    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
+    case at::kHalf: fn(static_cast<at::Half*>(nullptr)); break;
+    case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
+    default: TORCH_CHECK(false, "slimcomm: unsupported dtype ", st);
+  }
+}
+
+// Segment of bucket-flat index i: the s with o[s] <= i < o[s + 1].
+inline int64_t segment_of(const int64_t* o, int64_t S, int64_t i) {
+  return static_cast<int64_t>(std::upper_bound(o, o + S + 1, i) - o) - 1;
+}
+
+// Runs fn(s, lo, hi) over [0, N) in parallel chunks split at segment boundaries.
+template <typename Fn>
+void for_each_segment_range(const int64_t* o, int64_t S, int64_t N, Fn&& fn) {
+  at::parallel_for(0, N, kGrain, [&](int64_t a, int64_t b) {
+    if (a >= b) return;
+    int64_t s = segment_of(o, S, a);
+    int64_t e = a;
+    while (e < b) {
+      while (o[s + 1] <= e) ++s;
+      const int64_t hi = std::min(b, o[s + 1]);
+      fn(s, e, hi);
+      e = hi;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// step_encode
+// ---------------------------------------------------------------------------
+at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
+                           const at::Tensor& offsets, int64_t world_size,
+                           at::ScalarType wire_dtype, const OptTensor& acc_opt,
+                           const OptTensor& residual, const OptTensor& scale, double error_decay,
+                           bool accumulate, c10::optional<double> clip) {
+  const char* op = "step_encode";
+  check_values(op, "buf", buf);
+  SLIMCOMM_CHECK(buf.is_contiguous(), op, "buf", "must be contiguous");
+  check_index_tensor(op, "indices", indices);
+  check_same(op, "indices", indices, "buf", buf, false);
+  const int64_t S = step::check_offsets(op, offsets, buf, "buf");
+  const int64_t N = buf.numel();
+  SLIMCOMM_CHECK(world_size >= 1, op, "world_size", "must be >= 1, got ", world_size);
+  SLIMCOMM_CHECK(step::is_value_dtype(wire_dtype), op, "wire_dtype",
+                 "must be float32, float16 or bfloat16, got ", wire_dtype);
+  const bool has_acc = given(acc_opt);
+  if (has_acc) step::check_f32(op, "acc", *acc_opt, N, buf, "buf");
+  SLIMCOMM_CHECK(given(residual) == (has_acc && accumulate), op, "residual",
+                 given(residual) ? "is only read when 'acc' is given and accumulate=True"
+                                 : "is required when 'acc' is given and accumulate=True");
+  if (given(residual)) step::check_f32(op, "residual", *residual, N, buf, "buf");
+  step::check_scale(op, scale, buf, "buf");
+  SLIMCOMM_CHECK(!clip.has_value() || *clip > 0, op, "clip", "must be > 0 or None, got ",
+                 clip.has_value() ? *clip : 0.0);
+  at::Tensor idx = indices.contiguous();
+  check_index_range_cpu(op, "indices", idx, N);
+  step::check_offsets_cpu(op, offsets, N);
+  const int64_t k = idx.numel();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* pi = idx.data_ptr<int64_t>();
+  at::Tensor wire = at::empty({k + S}, buf.options().dtype(wire_dtype));
+  float* acc = has_acc ? acc_opt->data_ptr<float>() : nullptr;
+
+  // 1. acc = buf + error_decay * scale * residual. Only the plain sum is done here; the
+  // other forms run the ATen op the unfused path used, so they round identically.
+  if (has_acc && accumulate) {
+    at::Tensor acc_t = *acc_opt;
+    if (given(scale)) {
+      at::addcmul_out(acc_t, buf, *residual, *scale, error_decay);
+    } else if (error_decay != 1.0) {
+      at::add_out(acc_t, buf, *residual, error_decay);
+    } else {
+      const float* res = residual->data_ptr<float>();
+      dispatch_value(buf.scalar_type(), [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        const T* pb = buf.data_ptr<T>();
+        at::parallel_for(0, N, kGrain, [&](int64_t a, int64_t b) {
+          for (int64_t e = a; e < b; ++e) acc[e] = res[e] + static_cast<float>(pb[e]);
+        });
+      });
+    }
+  }
+  const float ws = static_cast<float>(world_size);
+  const float lim = clip.has_value() ? static_cast<float>(*clip) : 0.f;
+  dispatch_value(buf.scalar_type(), [&](auto* btag) {
+    using T = std::remove_pointer_t<decltype(btag)>;
+    const T* pb = buf.data_ptr<T>();
+    dispatch_value(wire_dtype, [&](auto* wtag) {
+      using W = std::remove_pointer_t<decltype(wtag)>;
+      W* pw = wire.data_ptr<W>();
+      // 2. flags of buf per segment.
+      at::parallel_for(0, S, N >= kGrain ? 1 : std::max<int64_t>(S, 1), [&](int64_t s0, int64_t s1) {
+        for (int64_t s = s0; s < s1; ++s) {
+          float m = 0.f;
+          for (int64_t e = o[s]; e < o[s + 1]; ++e) m = step::max_abs_step(m, static_cast<float>(pb[e]));
+          pw[k + s] = static_cast<W>(step::flag_of_max(m));
+        }
+      });
+      // 3. payload and the sent coordinates of the residual-to-be.
+      at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
+        for (int64_t j = a; j < b; ++j) {
+          const int64_t i = pi[j];
+          const float v = (acc ? acc[i] : static_cast<float>(pb[i])) / ws;
+          float sent = v, kept = 0.f;
+          if (clip.has_value()) {
+            sent = step::clamp_sym(v, lim);
+            kept = (v - sent) * ws;
+          }
+          pw[j] = static_cast<W>(sent);
+          if (acc) acc[i] = kept;
+        }
+      });
+    });
+  });
+  // 4. the residual is kept unscaled.
+  if (has_acc && given(scale)) {
+    const float sc = scale->data_ptr<float>()[0];
+    at::parallel_for(0, N, kGrain, [&](int64_t a, int64_t b) {
+      for (int64_t e = a; e < b; ++e) acc[e] = acc[e] / sc;
+    });
+  }
+  return wire;
+}
+
+// ---------------------------------------------------------------------------
+// step_commit / step_commit_local: shared checks and the per-segment pass
+// ---------------------------------------------------------------------------
+void check_acc_residual(const char* op, const OptTensor& acc, const OptTensor& residual,
+                        const at::Tensor& buf) {
+  SLIMCOMM_CHECK(given(acc) == given(residual), op, given(acc) ? "residual" : "acc",
+                 "must be given together with '", given(acc) ? "acc" : "residual", "'");
+  if (given(acc)) {
+    step::check_f32(op, "acc", *acc, buf.numel(), buf, "buf");
+    step::check_f32(op, "residual", *residual, buf.numel(), buf, "buf");
+  }
+}
+
+// buf/acc over every element by segment: buf = fill where not keep (zero_kept: 0 where
+// keep), acc = residual where not good.
+template <typename T>
+void apply_segments(T* pb, float* acc, const float* res, const int64_t* o, int64_t S, int64_t N,
+                    const std::vector<int>& dec, const std::vector<T>& fill, bool zero_kept) {
+  for_each_segment_range(o, S, N, [&](int64_t s, int64_t lo, int64_t hi) {
+    const bool keep = dec[s] & 1, good = dec[s] & 2;
+    if (!keep || zero_kept) {
+      const T v = keep ? static_cast<T>(0.f) : fill[s];
+      for (int64_t e = lo; e < hi; ++e) pb[e] = v;
+    }
+    if (acc && !good)
+      for (int64_t e = lo; e < hi; ++e) acc[e] = res[e];
+  });
+}
+
+at::Tensor finish_void(int64_t bad, at::Tensor& counter, const OptTensor& void_in,
+                       const at::Tensor& buf) {
+  counter.data_ptr<int64_t>()[0] += bad;
+  at::Tensor v = at::empty({}, buf.options().dtype(at::kBool));
+  bool prev = given(void_in) ? void_in->data_ptr<bool>()[0] : false;
+  v.data_ptr<bool>()[0] = prev || bad > 0;
+  return v;
+}
+
+template <typename T>
+int64_t decide_all(const float* fl, const std::vector<char>& nonfinite, bool keep_all_zero,
+                   std::vector<int>& dec, std::vector<T>& fill) {
+  int64_t bad = 0;
+  const int64_t S = static_cast<int64_t>(dec.size());
+  for (int64_t s = 0; s < S; ++s) {
+    dec[s] = step::decide(fl[s], !nonfinite[s], keep_all_zero);
+    fill[s] = static_cast<T>(fl[s] * 0.0f);
+    bad += (dec[s] & 4) ? 1 : 0;
+  }
+  return bad;
+}
+
+std::tuple<at::Tensor, at::Tensor> step_commit_cpu(
+    const at::Tensor& buf, const at::Tensor& indices, const at::Tensor& offsets,
+    const at::Tensor& avg, at::Tensor& counter, const OptTensor& G, const OptTensor& acc,
+    const OptTensor& residual, const OptTensor& scale, bool keep_all_zero, bool return_old_g,
+    const OptTensor& void_in) {
+  const char* op = "step_commit";
+  check_values(op, "buf", buf);
+  SLIMCOMM_CHECK(buf.is_contiguous(), op, "buf", "must be contiguous");
+  check_index_tensor(op, "indices", indices);
+  check_same(op, "indices", indices, "buf", buf, false);
+  const int64_t S = step::check_offsets(op, offsets, buf, "buf");
+  const int64_t N = buf.numel();
+  check_values(op, "avg", avg);
+  check_same(op, "avg", avg, "buf", buf, false);
+  const int64_t k = indices.numel();
+  SLIMCOMM_CHECK(avg.numel() == k + S, op, "avg", "must hold len(indices) + S = ", k + S,
+                 " elements (values then flags), got ", avg.numel());
+  step::check_counter(op, counter, buf, "buf");
+  if (given(G)) step::check_f32(op, "G", *G, N, buf, "buf");
+  SLIMCOMM_CHECK(!return_old_g || given(G), op, "G", "is required when return_old_g=True");
+  check_acc_residual(op, acc, residual, buf);
+  step::check_scale(op, scale, buf, "buf");
+  step::check_void_in(op, void_in, buf, "buf");
+  at::Tensor idx = indices.contiguous(), av = avg.contiguous();
+  check_index_range_cpu(op, "indices", idx, N);
+  step::check_offsets_cpu(op, offsets, N);
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* pi = idx.data_ptr<int64_t>();
+  at::Tensor old_g = at::empty({return_old_g ? k : 0}, buf.options().dtype(at::kFloat));
+  float* pg = given(G) ? G->data_ptr<float>() : nullptr;
+  float* pold = return_old_g ? old_g.data_ptr<float>() : nullptr;
+  float* pacc = given(acc) ? acc->data_ptr<float>() : nullptr;
+  const float* pres = given(residual) ? residual->data_ptr<float>() : nullptr;
+  const bool has_scale = given(scale);
+  const float sc = has_scale ? scale->data_ptr<float>()[0] : 1.f;
+  int64_t bad = 0;
+  dispatch_value(buf.scalar_type(), [&](auto* btag) {
+    using T = std::remove_pointer_t<decltype(btag)>;
+    T* pb = buf.data_ptr<T>();
+    dispatch_value(av.scalar_type(), [&](auto* wtag) {
+      using W = std::remove_pointer_t<decltype(wtag)>;
+      const W* pa = av.data_ptr<W>();
+      std::vector<int64_t> seg(k);
+      std::vector<char> nonfinite(S, 0);
+      for (int64_t j = 0; j < k; ++j) {
+        seg[j] = segment_of(o, S, pi[j]);
+        const float v = static_cast<float>(static_cast<T>(pa[j]));
+        if (v - v != 0.f) nonfinite[seg[j]] = 1;
+      }
+      std::vector<float> fl(S);
+      for (int64_t s = 0; s < S; ++s) fl[s] = static_cast<float>(pa[k + s]);
+      std::vector<int> dec(S);
+      std::vector<T> fill(S);
+      bad = decide_all(fl.data(), nonfinite, keep_all_zero, dec, fill);
+      apply_segments(pb, pacc, pres, o, S, N, dec, fill, /*zero_kept=*/true);
+      at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
+        for (int64_t j = a; j < b; ++j) {
+          const int64_t i = pi[j];
+          const int d = dec[seg[j]];
+          if (d & 1) pb[i] = static_cast<T>(pa[j]);
+          if (pg) {
+            const float old = pg[i];
+            if (pold) pold[j] = old;
+            if (d & 2) {
+              const float g = static_cast<float>(pa[j]);
+              pg[i] = has_scale ? g / sc : g;
+            }
+          }
+        }
+      });
+    });
+  });
+  return {old_g, finish_void(bad, counter, void_in, buf)};
+}
+
+at::Tensor step_commit_local_cpu(const at::Tensor& buf, const at::Tensor& all_indices,
+                                 const at::Tensor& all_values, const at::Tensor& offsets,
+                                 int64_t world_size, at::Tensor& counter, const OptTensor& acc,
+                                 const OptTensor& residual, bool keep_all_zero,
+                                 const OptTensor& void_in) {
+  const char* op = "step_commit_local";
+  check_values(op, "buf", buf);
+  SLIMCOMM_CHECK(buf.is_contiguous(), op, "buf", "must be contiguous");
+  check_index_tensor(op, "all_indices", all_indices);
+  check_same(op, "all_indices", all_indices, "buf", buf, false);
+  const int64_t S = step::check_offsets(op, offsets, buf, "buf");
+  const int64_t N = buf.numel();
+  SLIMCOMM_CHECK(world_size >= 1, op, "world_size", "must be >= 1, got ", world_size);
+  SLIMCOMM_CHECK(all_indices.numel() % world_size == 0, op, "all_indices", "has ",
+                 all_indices.numel(), " elements, not a multiple of world_size = ", world_size);
+  const int64_t k = all_indices.numel() / world_size;
+  check_values(op, "all_values", all_values);
+  check_same(op, "all_values", all_values, "buf", buf, false);
+  SLIMCOMM_CHECK(all_values.numel() == world_size * (k + S), op, "all_values",
+                 "must hold world_size * (k + S) = ", world_size * (k + S),
+                 " elements (each rank's values then flags), got ", all_values.numel());
+  step::check_counter(op, counter, buf, "buf");
+  check_acc_residual(op, acc, residual, buf);
+  step::check_void_in(op, void_in, buf, "buf");
+  at::Tensor idx = all_indices.contiguous(), av = all_values.contiguous();
+  check_index_range_cpu(op, "all_indices", idx, N);
+  step::check_offsets_cpu(op, offsets, N);
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* pi = idx.data_ptr<int64_t>();
+  float* pacc = given(acc) ? acc->data_ptr<float>() : nullptr;
+  const float* pres = given(residual) ? residual->data_ptr<float>() : nullptr;
+  const bool f32 = buf.scalar_type() == at::kFloat;
+  at::Tensor out = f32 ? buf : at::empty({N}, buf.options().dtype(at::kFloat));
+  float* po = out.data_ptr<float>();
+  int64_t bad = 0;
+  dispatch_value(buf.scalar_type(), [&](auto* btag) {
+    using T = std::remove_pointer_t<decltype(btag)>;
+    T* pb = buf.data_ptr<T>();
+    dispatch_value(av.scalar_type(), [&](auto* wtag) {
+      using W = std::remove_pointer_t<decltype(wtag)>;
+      const W* pa = av.data_ptr<W>();
+      // Scatter-add every rank's pairs in rank order, in fp32.
+      at::parallel_for(0, N, kGrain, [&](int64_t a, int64_t b) {
+        for (int64_t e = a; e < b; ++e) po[e] = 0.f;
+      });
+      for (int64_t r = 0; r < world_size; ++r) {
+        const int64_t* ids = pi + r * k;
+        const W* vals = pa + r * (k + S);
+        at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
+          for (int64_t j = a; j < b; ++j) po[ids[j]] = po[ids[j]] + static_cast<float>(vals[j]);
+        });
+      }
+      std::vector<float> fl(S, 0.f);
+      for (int64_t r = 0; r < world_size; ++r)
+        for (int64_t s = 0; s < S; ++s) fl[s] += static_cast<float>(pa[r * (k + S) + k + s]);
+      // buf <- out in buf's dtype; per segment whether every value is finite.
+      std::vector<char> nonfinite(S, 0);
+      at::parallel_for(0, S, N >= kGrain ? 1 : std::max<int64_t>(S, 1), [&](int64_t s0, int64_t s1) {
+        for (int64_t s = s0; s < s1; ++s) {
+          bool nf = false;
+          for (int64_t e = o[s]; e < o[s + 1]; ++e) {
+            const T v = static_cast<T>(po[e]);
+            if (!f32) pb[e] = v;
+            const float fv = static_cast<float>(v);
+            nf = nf || (fv - fv != 0.f);
+          }
+          nonfinite[s] = nf;
+        }
+      });
+      std::vector<int> dec(S);
+      std::vector<T> fill(S);
+      bad = decide_all(fl.data(), nonfinite, keep_all_zero, dec, fill);
+      apply_segments(pb, pacc, pres, o, S, N, dec, fill, /*zero_kept=*/false);
+    });
+  });
+  return finish_void(bad, counter, void_in, buf);
+}
+
+// ---------------------------------------------------------------------------
+// step_undo
+// ---------------------------------------------------------------------------
+void step_undo_cpu(const at::Tensor& void_flag, const OptTensor& residual, const OptTensor& spare,
+                   const OptTensor& G, const OptTensor& indices, const OptTensor& old_g,
+                   const OptTensor& counter) {
+  const char* op = "step_undo";
+  SLIMCOMM_CHECK(void_flag.defined() && void_flag.scalar_type() == at::kBool &&
+                     void_flag.numel() == 1,
+                 op, "void", "must be a bool tensor of one element");
+  SLIMCOMM_CHECK(given(residual) == given(spare), op, given(residual) ? "spare" : "residual",
+                 "must be given together with '", given(residual) ? "residual" : "spare", "'");
+  if (given(residual)) {
+    step::check_f32(op, "residual", *residual, residual->numel(), void_flag, "void");
+    step::check_f32(op, "spare", *spare, residual->numel(), void_flag, "void");
+  }
+  const bool has_g = given(G);
+  SLIMCOMM_CHECK(has_g == given(indices) && has_g == given(old_g), op, "G",
+                 "'G', 'indices' and 'old_g' must be given together");
+  at::Tensor idx;
+  if (has_g) {
+    step::check_f32(op, "G", *G, G->numel(), void_flag, "void");
+    check_index_tensor(op, "indices", *indices);
+    check_same(op, "indices", *indices, "void", void_flag, false);
+    step::check_f32(op, "old_g", *old_g, indices->numel(), void_flag, "void");
+    idx = indices->contiguous();
+    check_index_range_cpu(op, "indices", idx, G->numel());
+  }
+  if (given(counter)) step::check_counter(op, *counter, void_flag, "void");
+  const bool v = void_flag.data_ptr<bool>()[0];
+  if (given(counter)) counter->data_ptr<int64_t>()[1] += v ? 1 : 0;
+  if (!v) return;
+  if (given(residual)) residual->copy_(*spare);
+  if (has_g) {
+    float* pg = G->data_ptr<float>();
+    const float* po = old_g->data_ptr<float>();
+    const int64_t* pi = idx.data_ptr<int64_t>();
+    const int64_t k = idx.numel();
+    at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
+      for (int64_t j = a; j < b; ++j) pg[pi[j]] = po[j];
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(slimcomm, CPU, m) {
+  m.impl("step_encode", &step_encode_cpu);
+  m.impl("step_commit", &step_commit_cpu);
+  m.impl("step_commit_local", &step_commit_local_cpu);
+  m.impl("step_undo", &step_undo_cpu);
+}
+
+}  // namespace slimcomm
