@@ -20,6 +20,15 @@
 
 namespace slimcomm {
 
+// How the CUDA kernels validate index CONTENTS on the calling thread (see
+// csrc/cuda/cuda_utils.cuh): -1 = as the environment says (SLIMCOMM_CUDA_CHECKS,
+// default host), 0 = host, 1 = device. Set through the op `_cuda_checks` by
+// slimcomm.ops.trusted_indices() around slimcomm's own hot paths (the DDP hook,
+// the optimizer-side sync, IST), whose indices come from its own selection ops,
+// so that they run without a host sync. Thread-local: DDP hooks and collective
+// callbacks run on different threads, each sets its own.
+inline thread_local int cuda_checks_override = -1;
+
 // ---------------------------------------------------------------------------
 // Argument checks. Every message names the op and the argument.
 // ---------------------------------------------------------------------------

@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "common.h"
+
 #ifndef SLIMCOMM_VERSION
 #define SLIMCOMM_VERSION "unknown"
 #endif
@@ -28,6 +30,23 @@ std::string build_info() {
   s += "\"cuda\": false, \"cuda_archs\": \"\"}";
 #endif
   return s;
+}
+
+// Sets this thread's CUDA index-check mode ("env", "host" or "device"; see
+// cuda_checks_override in common.h) and returns the previous one.
+std::string set_cuda_checks(const std::string& mode) {
+  const int prev = cuda_checks_override;
+  if (mode == "env") {
+    cuda_checks_override = -1;
+  } else if (mode == "host") {
+    cuda_checks_override = 0;
+  } else if (mode == "device") {
+    cuda_checks_override = 1;
+  } else {
+    TORCH_CHECK(false, "slimcomm._cuda_checks: argument 'mode' must be 'env', 'host' or 'device', got '",
+                mode, "'");
+  }
+  return prev < 0 ? "env" : (prev == 0 ? "host" : "device");
 }
 
 #ifndef SLIMCOMM_WITH_CUDA
@@ -71,6 +90,7 @@ TORCH_LIBRARY(slimcomm, m) {
         "Tensor(b!)? G=None, Tensor? indices=None, Tensor? old_g=None, "
         "Tensor(c!)? counter=None) -> ()");
   m.def("_build_info() -> str", &build_info);
+  m.def("_cuda_checks(str mode) -> str", &set_cuda_checks);
 }
 
 #ifndef SLIMCOMM_WITH_CUDA

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "synchronous_collectives", "HOST_SYNC", "VIEW_OPS"]
+__all__ = ["OpCounter", "synchronous_collectives", "HOST_SYNC", "VIEW_OPS", "HOST_ONLY_OPS"]
 
 #: the op every host read of a device scalar dispatches
 HOST_SYNC = "_local_scalar_dense"
@@ -30,6 +30,11 @@ VIEW_OPS = frozenset({
     "transpose", "permute", "expand", "unsqueeze", "squeeze", "detach", "split",
     "split_with_sizes", "narrow", "unbind", "flatten", "view_as",
 })
+
+
+#: host-only ops (no tensor in or out, no kernel, no sync), not counted: the thread-local
+#: index-check mode switch of :func:`slimcomm.ops.trusted_indices`
+HOST_ONLY_OPS = frozenset({"slimcomm._cuda_checks"})
 
 
 class OpCounter(TorchDispatchMode):
@@ -50,7 +55,8 @@ class OpCounter(TorchDispatchMode):
         pkt = func.overloadpacket
         ns = getattr(pkt, "_qualified_op_name", "aten::").split("::")[0]
         name = pkt.__name__ if ns == "aten" else f"{ns}.{pkt.__name__}"
-        self.ops[name] += 1
+        if name not in HOST_ONLY_OPS:
+            self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
     @property

@@ -26,7 +26,9 @@ versions in :mod:`slimcomm.reference`; the tests hold the kernels to them.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+import functools
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
@@ -49,6 +51,8 @@ __all__ = [
     "step_commit",
     "step_commit_local",
     "step_undo",
+    "trusted_indices",
+    "run_trusted",
 ]
 
 SCORES = ("product", "grad", "weight")
@@ -57,6 +61,43 @@ SCORES = ("product", "grad", "weight")
 _ops = torch.ops.slimcomm
 
 _I64_MIN, _U64_END = -(1 << 63), 1 << 64
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+@contextlib.contextmanager
+def trusted_indices() -> Iterator[None]:
+    """Inside this block (on this thread), the CUDA kernels check index contents on the device.
+
+    By default a CUDA op validates the *values* of its index arguments
+    (``indices``, ``exclude``, IST ``rows``/``cols``) with one device reduction
+    and one device-to-host read, so that a bad index raises a ``RuntimeError``
+    naming the argument before anything is written: one host sync per op. Inside
+    this block the check runs on the device instead (no host sync; a bad index
+    stops the stream with a device-side trap, which loses the CUDA context, as
+    an out-of-range index does in torch's own CUDA indexing ops). slimcomm's hot
+    paths (the DDP comm hook, ``SlimDPOptimizer``'s synchronisation, IST) run in
+    it, because their indices come from slimcomm's own selection ops (issue 12:
+    no host sync in the steady-state step). Shapes, dtypes and size arguments
+    are always checked on the host, from metadata. CPU kernels are unaffected.
+    The environment variable ``SLIMCOMM_CUDA_CHECKS=device`` makes it the
+    process-wide default. Thread-local; nests; restores the previous mode.
+    """
+    prev = _ops._cuda_checks("device")
+    try:
+        yield
+    finally:
+        _ops._cuda_checks(prev)
+
+
+def run_trusted(fn: _F) -> _F:
+    """``fn`` wrapped in :func:`trusted_indices` (for collective callbacks, which run on other threads)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with trusted_indices():
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 def _bits64(value: int, op: str, name: str) -> int:

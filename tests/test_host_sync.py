@@ -7,10 +7,12 @@ runs under ``torch.cuda.set_sync_debug_mode("error")``: any
 Python, in ATen or inside the extension's kernels -- raises. The group is
 NCCL at world size 1 (gloo moves CUDA tensors through the host with its own
 stream synchronisations, which the debug mode would flag). The ranks run with
-``SLIMCOMM_CUDA_CHECKS=device``: the ops then validate index VALUES on the
+the library's defaults: the hot paths wrap their ops in
+``slimcomm.ops.trusted_indices()``, so the ops validate index VALUES on the
 device (a trap on a bad one) instead of reading the check's result back, the
-one host sync the CUDA kernels keep by default (csrc/cuda/cuda_utils.cuh);
-a separate test checks that such a bad index does stop the stream. A second CUDA
+one host sync the CUDA kernels keep by default for direct calls
+(csrc/cuda/cuda_utils.cuh); a separate test checks that such a bad index does
+stop the stream. A second CUDA
 test runs the hook and IST on CUDA tensors with 2 processes on one GPU over
 gloo and checks that the replicas agree.
 
@@ -157,8 +159,6 @@ def _ist_body(rank, world_size, device, rounds=4, local_steps=2):
 
 def _run(body, device, *args, world_size=1, monkeypatch=None):
     backend = "nccl" if device == "cuda" and world_size == 1 else "gloo"
-    if device == "cuda":  # read by the spawned ranks' extension at its first check
-        monkeypatch.setenv("SLIMCOMM_CUDA_CHECKS", "device")
     return run_workers(body, world_size, device, *args, timeout=240, backend=backend)
 
 
@@ -233,30 +233,56 @@ def _ist_body_plain(rank, world_size):
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def _bad_index_body(rank, world_size, op):
+def _bad_index_body(rank, world_size, op, trusted=False):
     from slimcomm import ops
     dev = _device("cuda")
     x = torch.randn(100, device=dev)
     bad = torch.tensor([3, 100], device=dev)
+    ctx = ops.trusted_indices() if trusted else contextlib.nullcontext()
     try:
-        if op == "pack":
-            ops.pack(x, bad)
-        elif op == "unpack":
-            ops.unpack(x, bad, torch.ones(2, device=dev))
-        else:
-            ops.explore_sample(50, torch.tensor([7, 7], device=dev), 3, 0, 0)
-        torch.cuda.synchronize()
+        with ctx:
+            if op == "pack":
+                ops.pack(x, bad)
+            elif op == "unpack":
+                ops.unpack(x, bad, torch.ones(2, device=dev))
+            else:
+                ops.explore_sample(50, torch.tensor([7, 7], device=dev), 3, 0, 0)
+            torch.cuda.synchronize()
     except RuntimeError as e:
         return str(e)
     return None
 
 
 @needs_cuda
+@pytest.mark.parametrize("how", ["env", "trusted_indices"])
 @pytest.mark.parametrize("op", ["pack", "unpack", "explore_sample"])
-def test_device_checks_stop_the_stream_on_a_bad_value(op, monkeypatch):
-    """SLIMCOMM_CUDA_CHECKS=device: no host sync, but a bad index still never passes
-    silently: the device traps and the next synchronisation raises (the CUDA
-    context is lost, so each case runs in its own process)."""
-    monkeypatch.setenv("SLIMCOMM_CUDA_CHECKS", "device")
-    err = run_workers(_bad_index_body, 1, op, timeout=120)[0]
+def test_device_checks_stop_the_stream_on_a_bad_value(op, how, monkeypatch):
+    """SLIMCOMM_CUDA_CHECKS=device or ops.trusted_indices(): no host sync, but a bad index
+    still never passes silently: the device traps and the next synchronisation raises
+    (the CUDA context is lost, so each case runs in its own process)."""
+    if how == "env":
+        monkeypatch.setenv("SLIMCOMM_CUDA_CHECKS", "device")
+    err = run_workers(_bad_index_body, 1, op, how == "trusted_indices", timeout=120)[0]
     assert err is not None and "CUDA" in err, err
+
+
+def test_trusted_indices_is_thread_local_nested_and_restored():
+    import threading
+
+    from slimcomm import ops
+    mode = torch.ops.slimcomm._cuda_checks
+    assert mode("env") == "env"
+    with ops.trusted_indices():
+        assert mode("device") == "device"
+        with ops.trusted_indices():
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(mode("env")))
+            t.start()
+            t.join()
+            assert seen == ["env"]  # another thread keeps its own mode
+        assert mode("device") == "device"  # the inner block restored the outer one
+    assert mode("env") == "env"
+    wrapped = ops.run_trusted(lambda: mode("device"))
+    assert wrapped() == "device" and mode("env") == "env"
+    with pytest.raises(RuntimeError, match="argument 'mode' must be 'env', 'host' or 'device'"):
+        mode("off")

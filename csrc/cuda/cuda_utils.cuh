@@ -74,6 +74,9 @@ struct RangeCheck {
 //          slimcomm's own selection ops (the DDP hook, the optimizer-side sync).
 enum class CheckMode { kHost, kDevice };
 inline CheckMode check_mode() {
+  if (cuda_checks_override >= 0) {  // slimcomm.ops.trusted_indices() on this thread
+    return cuda_checks_override == 1 ? CheckMode::kDevice : CheckMode::kHost;
+  }
   static const CheckMode mode = [] {
     const char* v = std::getenv("SLIMCOMM_CUDA_CHECKS");
     if (v == nullptr || *v == '\0' || std::string(v) == "host") return CheckMode::kHost;
