@@ -45,7 +45,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE=${2:?--device needs cuda or cpu}; shift 2 ;;
     --device=*) DEVICE=${1#--device=}; shift ;;
-    -*) echo "gpu_check: unknown option $1" >&2; exit 2 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) OUT=$1; shift ;;
   esac
 done

@@ -413,7 +413,8 @@ def build_figure(results: Sequence[Dict[str, Any]], title: Optional[str] = None,
             if not xs:
                 continue
             n = len(g.runs)
-            label = f"{g.label} ({n} seeds)" if n > 1 else g.label
+            distinct = len(set(g.seeds))
+            label = (f"{g.label} ({n} seeds)" if distinct == n else f"{g.label} ({n} runs)") if n > 1 else g.label
             ax.plot(xs, med, marker="o", ms=3, lw=1.5, color=colors[g.label], label=label)
             if n > 1:
                 ax.fill_between(xs, lo, hi, color=colors[g.label], alpha=0.2, lw=0)
@@ -440,7 +441,7 @@ def build_figure(results: Sequence[Dict[str, Any]], title: Optional[str] = None,
     if title is None:
         title = setting_summary(results)
     if any(len(g.runs) > 1 for g in groups):
-        title += f"\nlines: median over seeds, bands: {band_name}"
+        title += f"\nlines: median over runs, bands: {band_name}"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -1161,6 +1161,10 @@ def _train(rank, world_size, args, device, backend):
     _agree(err, fp, device)  # collective: every rank gets here, failed or not
 
     method = _Method(args, task.model, world_size, task.loss_fn, task.total_steps, task.classify)
+    if rank == 0 and method.sync_optimizer and task.total_steps < (args.sync_every or 1):
+        log.warning("%s: --sync-every %d is more than the %d training steps: the ranks never synchronise "
+                    "and the outer model stays at its initial weights", args.method, args.sync_every,
+                    task.total_steps)
     metric = task.metric["name"]
     evals: List[Dict[str, Any]] = []
     epochs: List[Dict[str, Any]] = []
@@ -1312,6 +1316,9 @@ def _write_json_atomic(obj: Any, out: str) -> None:
     try:
         with tmp:
             json.dump(obj, tmp, indent=1)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp.name, 0o666 & ~umask)  # like open(): the temporary file was private (0600)
         os.replace(tmp.name, out)
     except BaseException:
         if os.path.exists(tmp.name):
@@ -1335,6 +1342,12 @@ def run(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     if os.path.isdir(args.out):
         raise SystemExit(f"error: --out {args.out} is a directory; --out names the results JSON file "
                          "(use --out-dir for a directory)")
+    # Paths every rank would fail on, checked once here rather than in each spawned rank's traceback.
+    if args.model == "gpt" and args.text_file is not None and not os.path.isfile(args.text_file):
+        raise SystemExit(f"error: --text-file {args.text_file}: no such file")
+    if args.model != "gpt" and args.data_dir is not None and not os.path.isdir(args.data_dir):
+        raise SystemExit(f"error: --data-dir {args.data_dir}: no such directory (the folder with the "
+                         "Fashion-MNIST IDX files; omit it to use the installed data set)")
     if args.external:
         os.environ["MASTER_ADDR"] = str(args.master_addr)
         os.environ["MASTER_PORT"] = str(args.master_port)

@@ -622,7 +622,7 @@ def test_plot_one_median_line_per_configuration(tmp_path):
             assert hi - lo >= R.MIN_Y_SPAN - 1e-9 and hi <= 1.0
         title = fig._suptitle.get_text()
         assert "digits" in title and "2 ranks" in title and "MLP 48-48" in title and "1 epoch(s)" in title
-        assert "median over seeds" in title
+        assert "median over runs" in title
     finally:
         import matplotlib.pyplot as plt
         plt.close(fig)
