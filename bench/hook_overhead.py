@@ -318,7 +318,6 @@ def _breakdown(args, dev):
     ms = [m for _, m, _ in sizes]
     grad = torch.randn(N)
     residual = torch.randn(N) * 0.1
-    spare = torch.empty(N)
     G = torch.randn(N)
     w = torch.cat([p.detach().reshape(-1) for p in params])
     core, _ = ops.significance_topk_segmented(w, G, offsets, ks)
@@ -330,13 +329,19 @@ def _breakdown(args, dev):
     idx = torch.cat([core, explore])
     K = idx.numel()
     vals = torch.randn(K)
-    zeros = torch.zeros(K)
 
-    lengths = torch.tensor(numels)
+    off_t = torch.tensor(offsets, dtype=torch.int64)
+    counter = torch.zeros(2, dtype=torch.int64)
+    acc = torch.empty(N)
+    S = len(numels)
+    avg = torch.cat([vals, torch.ones(S)]).to(torch.bfloat16)
 
-    def flags():  # as compressor._segment_flags: max |x| per segment, m * 0 + (m != 0)
-        m = torch.segment_reduce(grad.abs(), "max", lengths=lengths, initial=0)
-        return m.mul(0.0).add_(m != 0)
+    def encode():  # as compressor._shared: acc, flags, bf16 payload and next residual in one op
+        return ops.step_encode(grad, idx, off_t, 2, torch.bfloat16, acc=acc, residual=residual)
+
+    def commit():  # bucket, G and residual from the averaged payload in one op
+        return ops.step_commit(grad, idx, off_t, avg, counter, G=G, acc=acc, residual=residual,
+                               keep_all_zero=True, return_old_g=True)
 
     flat = torch.empty(N)
     views = [flat[offsets[s]:offsets[s + 1]] for s in range(len(params))]
@@ -347,16 +352,11 @@ def _breakdown(args, dev):
         return flat
 
     rows = [
-        ("acc = residual + grad (torch.add)", _timeit_dev(lambda: torch.add(residual, grad, out=spare)), 1),
-        ("non-finite flags (segment_reduce)", _timeit_dev(flags), 1),
         ("ops.explore_sample_segmented", _timeit_dev(
             lambda: ops.explore_sample_segmented(offsets, core, core_offsets, ms, 0, rng)), 1),
-        ("ops.pack + divide + cat flags", _timeit_dev(
-            lambda: torch.cat([ops.pack(spare, idx).div_(2), torch.zeros(len(numels))])), 1),
-        ("ops.unpack zeros into acc (residual)", _timeit_dev(lambda: ops.unpack(spare, idx, zeros)), 1),
-        ("bucket.zero_()", _timeit_dev(lambda: grad.zero_()), 1),
-        ("ops.unpack averaged values into bucket", _timeit_dev(lambda: ops.unpack(grad, idx, vals)), 1),
-        ("ops.unpack into G", _timeit_dev(lambda: ops.unpack(G, idx, vals)), 1),
+        ("cat core + explore", _timeit_dev(lambda: torch.cat([core, explore])), 1),
+        ("ops.step_encode (acc, flags, bf16 payload, residual)", _timeit_dev(encode), 1),
+        ("ops.step_commit (bucket, G, residual, flags)", _timeit_dev(commit), 1),
         ("flat weight copy (refresh steps only)", _timeit_dev(flat_w, 3), args.core_refresh),
         ("ops.significance_topk_segmented (refresh only)", _timeit_dev(
             lambda: ops.significance_topk_segmented(w, G, offsets, ks), 3), args.core_refresh),
