@@ -52,7 +52,7 @@ $(STAMP_DEPS): $(STAMP_TORCH) pyproject.toml
 # The module is built in place (slimcomm/_C.abi3.so) by an editable install.
 $(STAMP_EXT): $(EXT_SOURCES) $(TORCH_FILE) $(if $(EXT_MODULE),,FORCE) | $(STAMP_DEPS)
 	@mkdir -p build
-	@echo "== building the C++ extension (about 4-7 minutes on 2 cores, MAX_JOBS=$(MAX_JOBS)); log: $(BUILD_LOG)"
+	@echo "== building the C++ extension (about 2.5-7 minutes on 2 cores, MAX_JOBS=$(MAX_JOBS)); log: $(BUILD_LOG)"
 	@start=$$(date +%s); \
 	if $(PIP) install -v --no-build-isolation --no-deps -e . >$(BUILD_LOG) 2>&1; then \
 	  echo "== built in $$(( $$(date +%s) - start )) s"; \
