@@ -127,11 +127,15 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
     dispatch_value(wire_dtype, [&](auto* wtag) {
       using W = std::remove_pointer_t<decltype(wtag)>;
       W* pw = wire.data_ptr<W>();
-      // 2. flags of buf per segment.
+      // 2. flags of buf per segment: flag_of_max(max |x|), NaN if any x is NaN or inf. The
+      // max runs through ATen's vectorised abs + amax (NaN-propagating) per segment, several
+      // times faster than a scalar loop with per-element NaN branches.
       at::parallel_for(0, S, N >= kGrain ? 1 : std::max<int64_t>(S, 1), [&](int64_t s0, int64_t s1) {
         for (int64_t s = s0; s < s1; ++s) {
           float m = 0.f;
-          for (int64_t e = o[s]; e < o[s + 1]; ++e) m = step::max_abs_step(m, static_cast<float>(pb[e]));
+          if (o[s + 1] > o[s]) {
+            m = at::amax(at::abs(buf.slice(0, o[s], o[s + 1]))).item<float>();
+          }
           pw[k + s] = static_cast<W>(step::flag_of_max(m));
         }
       });
