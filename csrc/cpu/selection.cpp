@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -225,6 +226,52 @@ void topk_histogram(const T* w, const T* g, int64_t n, int64_t k, int64_t base, 
 // One streaming pass: a sample of the keys brackets the k-th largest key from
 // below (thr); keys above thr are candidates (about k of them), keys equal to
 // thr are counted and the first few of each chunk remembered, so a massive
+// Prefilter of topk_select's streaming pass over fp32 inputs: the first j >= i
+// such that the 8 keys [j, j + 8) may hold one >= thr, or such that fewer than 8
+// are left (j = hi - (hi - i) % 8). Only skips blocks in which no key can pass, so
+// the exact scalar test after it decides everything: a lane passes if the bits
+// of its score, as a signed int, are >= thr (scores are >= +0, so this orders
+// them like score_key; a thr >= 2^31 lets every non-negative lane pass) or if
+// the score is NaN (key 0xFFFFFFFF, whatever its sign bit).
+using SkipFn = int64_t (*)(const float*, const float*, int64_t, int64_t, uint32_t);
+
+int64_t skip_none(const float*, const float*, int64_t i, int64_t, uint32_t) { return i; }
+
+#if defined(__x86_64__)
+template <ScoreMode M>
+__attribute__((target("avx2"))) int64_t skip_avx2(const float* w, const float* g, int64_t i,
+                                                  int64_t hi, uint32_t thr) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(thr - 1u));
+  const bool all_nonneg_pass = thr == 0 || thr > 0x80000000u;
+  if (all_nonneg_pass) return i;  // nothing to skip: every block may hold a candidate
+  for (; i + 8 <= hi; i += 8) {
+    __m256 s;
+    if (M == ScoreMode::kGrad) {
+      s = _mm256_and_ps(_mm256_loadu_ps(g + i), abs_mask);
+    } else if (M == ScoreMode::kWeight) {
+      s = _mm256_and_ps(_mm256_loadu_ps(w + i), abs_mask);
+    } else {
+      s = _mm256_mul_ps(_mm256_and_ps(_mm256_loadu_ps(w + i), abs_mask),
+                        _mm256_and_ps(_mm256_loadu_ps(g + i), abs_mask));
+    }
+    const __m256i pass = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_castps_si256(s), below),
+                                         _mm256_castps_si256(_mm256_cmp_ps(s, s, _CMP_UNORD_Q)));
+    if (!_mm256_testz_si256(pass, pass)) return i;
+  }
+  return i;
+}
+#endif
+
+template <ScoreMode M, typename T>
+SkipFn skip_fn() {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (std::is_same<T, float>::value && avx2) return skip_avx2<M>;
+#endif
+  return skip_none;
+}
+
 // tie at thr (all-zero scores) costs no more memory or time than random data.
 template <ScoreMode M, typename T>
 void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int64_t* out,
@@ -253,6 +300,7 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
   std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<uint32_t>());
   const uint32_t thr = sample[rank];
 
+  const SkipFn skip = skip_fn<M, T>();
   const int64_t chunks = parallel ? num_chunks(n) : 1;
   const int64_t chunk_len = (n + chunks - 1) / chunks;
   struct Part {
@@ -283,16 +331,25 @@ void topk_select(const T* w, const T* g, int64_t n, int64_t k, int64_t base, int
         p.overflow = true;
         return false;
       };
-      // Until tie_cap ties are stored: on random data the whole chunk, with
-      // one rarely taken branch per element.
-      for (; i < hi && eq < tie_cap; ++i) {
-        const uint32_t key = key_at<M>(w, g, i);
-        if (key >= thr) {
-          if (key > thr) {
-            if (!push_above(key, i)) break;
-          } else {
-            p.ties.push_back(i);
-            ++eq;
+      // Until tie_cap ties are stored: on random data the whole chunk, blocks of
+      // 8 keys without a candidate skipped by the vector prefilter (fp32), the
+      // others tested one by one.
+      while (i < hi && eq < tie_cap && !p.overflow) {
+        if (skip != skip_none) {
+          i = skip(reinterpret_cast<const float*>(w), reinterpret_cast<const float*>(g), i, hi,
+                   thr);
+          if (i >= hi) break;
+        }
+        const int64_t stop = skip != skip_none ? std::min(hi, i + 8) : hi;
+        for (; i < stop && eq < tie_cap; ++i) {
+          const uint32_t key = key_at<M>(w, g, i);
+          if (key >= thr) {
+            if (key > thr) {
+              if (!push_above(key, i)) break;
+            } else {
+              p.ties.push_back(i);
+              ++eq;
+            }
           }
         }
       }
