@@ -50,6 +50,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from netbench_projection import project_run, timed_args  # noqa: E402
+
 METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist", "diloco", "sparseloco", "slimdp-local")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -244,203 +246,8 @@ def run_job(net: EmulatedNetwork, method: str, out_json: str, train_args: Sequen
         return json.load(f)
 
 
-def _median(xs: Sequence[float]) -> float:
-    import statistics
-
-    return statistics.median(xs)
-
-
-def _ttt(runs: Sequence[Dict]) -> Optional[float]:
-    """Median time to target over seeds (None if any seed never reached it)."""
-    ts = [r["time_to_target"]["train_time_s"] if r.get("time_to_target") else None for r in runs]
-    return None if any(t is None for t in ts) else _median(ts)
-
-
-def _dense_warmup_steps(run: Dict) -> int:
-    """Leading steps in which the method sends dense gradients (slimdp/topk warm-up, PowerSGD's
-    start iteration), excluded from the steady-state per-step figures."""
-    cfg, m = run.get("config", {}), run.get("method")
-    if m in ("slimdp", "topk"):
-        w = cfg.get("warmup_steps") or 0
-    elif m == "powersgd":
-        w = cfg.get("powersgd_start_iter") or 0
-    else:
-        w = 0
-    return min(int(w), max(0, run["steps"] - 1))
-
-
-def steady_bytes_per_step(run: Dict) -> Dict[str, Optional[float]]:
-    """Steady-state bytes per rank per step of one run (the dense warm-up steps left out).
-
-    ``payload``: bytes handed to collectives (the ``bytes_definition`` of the run);
-    ``wire``: TX + RX bytes the rank's interface carried during training steps and
-    synchronisations (kernel counters, ``slimcomm.train --wire-iface``), mean over ranks,
-    with ``wire_min``/``wire_max`` over ranks; None without counters. Includes every frame:
-    Ethernet/IP/TCP headers, ACKs, retransmissions, and both directions."""
-    warm = _dense_warmup_steps(run)
-    n = max(1, run["steps"] - warm)
-    payload = (run["final"]["bytes_sent_per_rank"] - warm * run["dense_bytes_per_step"]) / n
-    out: Dict[str, Optional[float]] = {"payload": payload, "wire": None, "wire_min": None, "wire_max": None}
-    ranks = run.get("wire")
-    if ranks:
-        per = [(w["tx_bytes"] + w["rx_bytes"] - sum(w["per_step_bytes"][:warm])) / n for w in ranks]
-        out.update(wire=sum(per) / len(per), wire_min=min(per), wire_max=max(per))
-    return out
-
-
-def _wire_cells(runs: Sequence[Dict]) -> List[str]:
-    """['wire MB/rank/step', 'wire / payload'] table cells (medians over seeds)."""
-    if not runs or not all(r.get("wire") for r in runs):
-        return ["-", "-"]
-    b = [steady_bytes_per_step(r) for r in runs]
-    wire = _median([x["wire"] for x in b])
-    ratio = _median([x["wire"] / x["payload"] for x in b if x["payload"] > 0]) if any(
-        x["payload"] > 0 for x in b) else None
-    return [f"{wire / 1e6:.3f}", f"{ratio:.2f}" if ratio is not None else "-"]
-
-
-def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, float], header: str) -> str:
-    """Markdown tables (one per rate) from {rate: {method: [results dict per seed]}}.
-
-    With several seeds every number is the median over seeds; the time to
-    target of each seed is listed too. The speed-up is ddp's median time over
-    the method's median time.
-    """
-    from tabulate import tabulate
-
-    parts = [header]
-    for rate, by_method in results.items():
-        any_r = next(iter(by_method.values()))[0]
-        tgt = any_r["config"]["target_acc"]
-        epochs = any_r["config"]["epochs"]
-        n_seeds = max(len(runs) for runs in by_method.values())
-        parts.append(f"\n### {rate} per link (measured {measured[rate]:.0f} Mbit/s TCP)\n")
-        rows = []
-        base = _ttt(by_method["ddp"]) if "ddp" in by_method else None
-        for m, runs in by_method.items():
-            t = _ttt(runs)
-            reached = [r["time_to_target"] for r in runs if r.get("time_to_target")]
-            done = all(r["completed_epochs"] == epochs and not r.get("stopped_at_target") for r in runs)
-            steps = [max(1, r["steps"]) for r in runs]
-            per_seed = ", ".join(f"{r['time_to_target']['train_time_s']:.1f}" if r.get("time_to_target")
-                                 else "never" for r in runs)
-            row = [
-                m,
-                f"{t:.1f}" if t is not None else "not reached",
-                f"{_median([x['epoch'] for x in reached]):.2f}" if len(reached) == len(runs) else "-",
-                f"{base / t:.2f}x" if base and t else "-",
-                (f"{_median([r['final']['test_acc'] for r in runs]):.4f}" if done
-                 else "(stopped at target)"),
-                f"{_median([r['final']['bytes_sent_per_rank'] / 1e6 / n for r, n in zip(runs, steps)]):.3f}",
-                *_wire_cells(runs),
-                f"{_median([1000 * r['final']['train_time_s'] / n for r, n in zip(runs, steps)]):.0f}",
-                " ".join(runs[0].get("method_flags", [])) or "-",
-            ]
-            if n_seeds > 1:
-                row.insert(2, per_seed)
-            rows.append(row)
-        headers = ["method", f"time to {tgt:g} (s)", "epoch reached", "speed-up vs ddp",
-                   f"test acc after {epochs} epochs", "MB/rank/step", "wire MB/rank/step", "wire/payload",
-                   "ms/step", "method flags"]
-        if n_seeds > 1:
-            headers[1] = f"median time to {tgt:g} (s)"
-            headers.insert(2, "per seed (s)")
-        parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-    return "\n".join(parts) + "\n"
-
-
-def _is_lm(results) -> bool:
-    any_r = next(iter(next(iter(results.values())).values()))[0]
-    return any_r.get("metric", {}).get("name") == "val_loss"
-
-
-def _loss_target(by_method: Dict[str, List[Dict]]) -> Optional[float]:
-    """DDP's median final validation loss (the time-to-target target), else --target-loss."""
-    if "ddp" in by_method:
-        return _median([r["final"]["val_loss"] for r in by_method["ddp"]])
-    return next(iter(by_method.values()))[0]["config"].get("target_loss")
-
-
-def _time_to_loss(run: Dict, target: Optional[float]) -> Optional[float]:
-    """Training time of the first evaluation with validation loss <= target (None if never)."""
-    if target is None:
-        return None
-    for e in run["evals"]:
-        if e["val_loss"] <= target + 1e-12:
-            return e["train_time_s"]
-    return None
-
-
-def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, float], header: str) -> str:
-    """Markdown tables for the GPT workload: time to ddp's final validation loss (read from the
-    evaluations every --eval-every steps), validation loss after equal steps, bytes per step."""
-    from tabulate import tabulate
-
-    parts = [header]
-    for rate, by_method in results.items():
-        target = _loss_target(by_method)
-        parts.append(f"\n### {rate} per link (measured {measured[rate]:.0f} Mbit/s TCP)\n")
-        dense = next(iter(by_method.values()))[0]["dense_bytes_per_step"]
-        times = {m: [_time_to_loss(r, target) for r in runs] for m, runs in by_method.items()}
-        def med_t(ts):
-            return None if any(t is None for t in ts) else _median(ts)
-        base = med_t(times["ddp"]) if "ddp" in times else None
-        ddp_loss = _median([r["final"]["val_loss"] for r in by_method["ddp"]]) if "ddp" in by_method else None
-        rows = []
-        for m, runs in by_method.items():
-            t = med_t(times[m])
-            loss = _median([r["final"]["val_loss"] for r in runs])
-            mb = _median([r["final"]["bytes_sent_per_rank"] / max(1, r["steps"]) for r in runs])
-            rows.append([
-                m,
-                f"{t:.1f}" if t is not None else "not reached",
-                ", ".join("never" if x is None else f"{x:.1f}" for x in times[m]),
-                f"{base / t:.2f}x" if base and t else "-",
-                f"{loss:.4f}",
-                f"{loss / ddp_loss:.3f}" if ddp_loss else "-",
-                f"{mb / 1e6:.3f}",
-                f"{100 * mb / dense:.2f}%",
-                *_wire_cells(runs),
-                f"{_median([1000 * r['final']['train_time_s'] / max(1, r['steps']) for r in runs]):.0f}",
-                " ".join(runs[0].get("method_flags", [])) or "-",
-            ])
-        steps = next(iter(by_method.values()))[0]["steps"]
-        headers = ["method", f"time to ddp's final val loss {target:.4f} (s)" if target else "time to target (s)",
-                   "per seed (s)", "speed-up vs ddp", f"val loss after {steps} steps", "vs ddp",
-                   "MB/rank/step", "% of ddp bytes", "wire MB/rank/step", "wire/payload", "ms/step",
-                   "method flags"]
-        parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-    return "\n".join(parts) + "\n"
-
-
-def _flat_results(results: Dict[str, Dict[str, List[Dict]]]) -> List[Dict]:
-    """{rate: {label: [run per seed]}} as one list, each run tagged with its link rate and label."""
-    out = []
-    for rate, by_method in results.items():
-        for m, runs in by_method.items():
-            for r in runs:
-                out.append(dict(r, link=dict(r.get("link") or {}, rate=rate), label=m))
-    return out
-
-
-def plot_lm(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
-    """Validation loss vs training time (one panel per rate) and vs total MB sent per rank.
-
-    Drawn by :func:`slimcomm.report.plot_results`: one median line per method over the seeds with a
-    min-max band, ddp's median final validation loss as the labelled target line.
-    """
-    from slimcomm.report import plot_results
-
-    target = _loss_target(next(iter(results.values())))
-    plot_results(_flat_results(results), out_png, panels=("time", "bytes"), log_time=True, target=target,
-                 target_label=None if target is None else f"ddp's final val loss {target:.3f}")
-
-
-def plot(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
-    """Test accuracy vs training time, one panel per rate (:func:`slimcomm.report.plot_results`)."""
-    from slimcomm.report import plot_results
-
-    plot_results(_flat_results(results), out_png, panels=("time",), log_time=True)
+from netbench_report import (  # noqa: E402,F401  (re-exported: tests, costmodel)
+    _is_lm, markdown, markdown_lm, plot, plot_lm, steady_bytes_per_step)
 
 
 def _reusable(path: str, extra: Sequence[str]) -> Optional[Dict]:
@@ -474,6 +281,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="rates at which runs stop once the target accuracy is reached (saves time; the "
                         "accuracy trajectory does not depend on the link, so equal-epoch accuracy comes "
                         "from the other rates)")
+    p.add_argument("--timed-rates", default="", metavar="RATES",
+                   help="rates at which every run trains only --timed-steps steps to measure its ms/step; its "
+                        "table row is the full run of the same method and seed at the first other rate with "
+                        "times rescaled to that ms/step, marked projected (bench/netbench_projection.py)")
+    p.add_argument("--timed-steps", type=int, default=120,
+                   help="training steps of a timed run (a multiple of the local-step methods' H keeps their "
+                        "synchronisations in proportion)")
     p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
                    help="extra slimcomm.train flags for one method, e.g. slimdp='--momentum 0 --lr 0.2' "
                         "(repeatable; shown in the table)")
@@ -496,6 +310,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stop_rates = {r.strip() for r in a.stop_at_target.split(",") if r.strip()}
     if stop_rates - set(rates):
         p.error(f"--stop-at-target {sorted(stop_rates - set(rates))} not in --rates")
+    timed_rates = {r.strip() for r in a.timed_rates.split(",") if r.strip()}
+    if timed_rates - set(rates):
+        p.error(f"--timed-rates {sorted(timed_rates - set(rates))} not in --rates")
+    if timed_rates and timed_rates >= set(rates):
+        p.error("--timed-rates: at least one rate of --rates must run in full (the trajectory)")
+    if timed_rates & stop_rates:
+        p.error(f"--timed-rates and --stop-at-target share {sorted(timed_rates & stop_rates)}")
+    if a.timed_steps < 1:
+        p.error(f"--timed-steps must be >= 1, got {a.timed_steps}")
+    full_rates = [r for r in rates if r not in timed_rates]
+    traj_rate = full_rates[0]
+    rates = full_rates + [r for r in rates if r in timed_rates]  # trajectories first
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     bad = [m for m in methods if m.split("@")[0] not in METHODS]
     if bad or not methods:
@@ -557,6 +383,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         t0 = time.perf_counter()
                         suffix = f"_s{seed}" if seed is not None else ""
                         path = os.path.join(json_dir, f"{rate}_{m}{suffix}.json")
+                        timed = rate in timed_rates
+                        if timed:
+                            extra = timed_args(extra, a.timed_steps)
+                            path = path[:-5] + "_timed.json"
                         r = _reusable(path, extra) if a.reuse else None
                         if r is None:
                             r = run_job(net, m.split("@")[0], path, extra, a.port, a.timeout, threads,
@@ -566,6 +396,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         r["netbench_args"] = extra
                         r["link"] = {"rate": rate, "measured_mbit": round(measured[rate], 1)}
                         r["method_flags"] = per_method.get(m, [])
+                        if timed:
+                            with open(path, "w") as f:
+                                json.dump(r, f, indent=1)
+                            traj = results[traj_rate][m][len(results[rate][m])]
+                            r = project_run(traj, r, traj_rate)
+                            r["link"] = {"rate": rate, "measured_mbit": round(measured[rate], 1)}
+                            path = path[:-len("_timed.json")] + ".json"
+                            print(f"[netbench] {rate} {m}{suffix}: {r['projected']['ms_per_step']:.0f} ms/step "
+                                  f"over {a.timed_steps} timed steps; trajectory from {traj_rate}", flush=True)
                         with open(path, "w") as f:
                             json.dump(r, f, indent=1)
                         results[rate][m].append(r)
