@@ -140,13 +140,14 @@ def _loss_target(by_method: Dict[str, List[Dict]]) -> Optional[float]:
     return next(iter(by_method.values()))[0]["config"].get("target_loss")
 
 
-def _time_to_loss(run: Dict, target: Optional[float]) -> Optional[float]:
-    """Training time of the first evaluation with validation loss <= target (None if never)."""
+def _time_to_loss(run: Dict, target: Optional[float], key: str = "train_time_s") -> Optional[float]:
+    """Training time (or ``key="step"``: the step) of the first evaluation with validation
+    loss <= target (None if never)."""
     if target is None:
         return None
     for e in run["evals"]:
         if e["val_loss"] <= target + 1e-12:
-            return e["train_time_s"]
+            return e[key]
     return None
 
 
@@ -175,17 +176,18 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
                 f"{t:.1f}" if t is not None else "not reached",
                 ", ".join("never" if x is None else f"{x:.1f}" for x in times[m]),
                 f"{base / t:.2f}x" if base and t else "-",
+                (f"{_median([_time_to_loss(r, target, 'step') for r in runs]):.0f}" if t is not None else "-"),
                 f"{loss:.4f}",
                 f"{loss / ddp_loss:.3f}" if ddp_loss else "-",
+                "/".join(sorted({str(r["steps"]) for r in runs})),
                 f"{mb / 1e6:.3f}",
                 f"{100 * mb / dense:.2f}%",
                 *_wire_cells(runs),
                 f"{_median([1000 * r['final']['train_time_s'] / max(1, r['steps']) for r in runs]):.0f}",
                 " ".join(runs[0].get("method_flags", [])) or "-",
             ])
-        steps = next(iter(by_method.values()))[0]["steps"]
         headers = ["method", f"time to ddp's final val loss {target:.4f} (s)" if target else "time to target (s)",
-                   "per seed (s)", "speed-up vs ddp", f"val loss after {steps} steps", "vs ddp",
+                   "per seed (s)", "speed-up vs ddp", "step reached", "final val loss", "vs ddp", "steps",
                    "MB/rank/step", "% of ddp bytes", "wire MB/rank/step", "wire/payload", "ms/step",
                    "method flags"]
         parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
