@@ -84,7 +84,7 @@ def main():
     model = GPT(vocab_size=vocab, block_size=block, n_layer=2, n_embd=64, n_head=2).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)
     opt = SlimDPOptimizer(model, inner, sync_every=args.sync_every, compression="dense",
-                          value_bits=2, outer_lr=1.0)
+                          value_bits=2, outer_lr=1.4)
     if rank == 0:
         print(f"{world} ranks on {device.type}, {sum(q.numel() for q in model.parameters()):,} "
               f"parameters, {len(train):,} training characters", flush=True)
