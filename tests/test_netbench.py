@@ -85,7 +85,7 @@ def test_netbench_tiny_job(tmp_path):
     md = (out / "tiny.md").read_text()
     assert "### 30mbit per link" in md and "| ddp" in md and "| fp16" in md
     assert (out / "tiny.png").read_bytes()[:4] == b"\x89PNG"
-    ddp = json.loads((out / "tiny" / "30mbit_ddp.json").read_text())
+    ddp = json.loads((out / "tiny" / "10mbit_ddp.json").read_text())
     fp16 = json.loads((out / "tiny" / "30mbit_fp16.json").read_text())
     assert ddp["final"]["test_acc"] > 0.5 and fp16["final"]["test_acc"] > 0.5
     # the link is the bottleneck: ddp sends twice fp16's bytes and takes clearly longer per step
@@ -127,3 +127,40 @@ def test_bridge_three_ranks_wire_counters(tmp_path):
     assert ring * 1.0 < d["wire"] / d["payload"] < ring * 1.15, d
     assert d["wire_max"] / d["wire_min"] < 1.1, d  # every rank of the ring carries the same
     assert s["wire"] < d["wire"] / 10, (s, d)
+
+
+def test_netbench_timed_rate_projects_the_trajectory(tmp_path):
+    """--timed-rates: the slow rate trains a few steps per method; its rows are the 1 Gbit/s
+    trajectory (same losses and bytes) at the slow link's measured ms/step."""
+    out = tmp_path / "res"
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "bench", "netbench.py"), "--rates", "10mbit,1gbit",
+         "--timed-rates", "10mbit", "--timed-steps", "6", "--methods", "ddp,slimdp-local",
+         "--method-args", "slimdp-local=--sync-every 3", "--out-dir", str(out), "--name", "proj", "--timeout", "180", "--port", "29563", "--",
+         "--model", "gpt", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "16",
+         "--steps", "24", "--eval-every", "8", "--val-batches", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert not {n for n in _netns_names() if n.startswith(f"scb{proc.pid}r")}
+    md = (out / "proj.md").read_text()
+    timed_sec, full_sec = md.split("### 10mbit")[1], md.split("### 10mbit")[0]
+    assert "**Projected**" in timed_sec and "6 timed steps" in timed_sec
+    assert "**Projected**" not in full_sec
+    for m in ("ddp", "slimdp-local"):
+        traj = json.loads((out / "proj" / f"1gbit_{m}.json").read_text())
+        timed = json.loads((out / "proj" / f"10mbit_{m}_timed.json").read_text())
+        proj = json.loads((out / "proj" / f"10mbit_{m}.json").read_text())
+        assert timed["steps"] == 6 and traj["steps"] == proj["steps"] == 24
+        assert [e["val_loss"] for e in proj["evals"]] == [e["val_loss"] for e in traj["evals"]]
+        assert proj["final"]["bytes_sent_per_rank"] == traj["final"]["bytes_sent_per_rank"]
+        ms = proj["projected"]["ms_per_step"]
+        assert ms == pytest.approx(1000 * timed["final"]["train_time_s"] / 6)
+        assert proj["final"]["train_time_s"] == pytest.approx(24 * ms / 1000)
+    ddp = json.loads((out / "proj" / "10mbit_ddp.json").read_text())
+    ddp_fast = json.loads((out / "proj" / "1gbit_ddp.json").read_text())
+    # 10 Mbit/s is the bottleneck for ddp's dense gradients
+    assert ddp["projected"]["ms_per_step"] > 1.5 * 1000 * ddp_fast["final"]["train_time_s"] / 24
