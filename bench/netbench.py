@@ -259,6 +259,17 @@ def _reusable(path: str, extra: Sequence[str]) -> Optional[Dict]:
     return r if r.get("netbench_args") == list(extra) else None
 
 
+def _run_job_retry(net: EmulatedNetwork, method: str, path: str, *args) -> Dict:
+    """:func:`run_job`, once more if it fails (the run is deterministic, so a rerun gives the
+    same trajectory); the first failure is printed, a second one raises."""
+    try:
+        return run_job(net, method, path, *args)
+    except RuntimeError as e:
+        print(f"[netbench] WARNING: {e}\n[netbench] rerunning {os.path.basename(path)} once", file=sys.stderr,
+              flush=True)
+        return run_job(net, method, path, *args)
+
+
 def _raise_exit(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -389,8 +400,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             path = path[:-5] + "_timed.json"
                         r = _reusable(path, extra) if a.reuse else None
                         if r is None:
-                            r = run_job(net, m.split("@")[0], path, extra, a.port, a.timeout, threads,
-                                        os.path.join(json_dir, "logs"))
+                            r = _run_job_retry(net, m.split("@")[0], path, extra, a.port, a.timeout, threads,
+                                               os.path.join(json_dir, "logs"))
                         else:
                             print(f"[netbench] {rate} {m}{suffix}: reusing {path}", flush=True)
                         r["netbench_args"] = extra

@@ -986,7 +986,12 @@ def _worker(rank: int, args: argparse.Namespace, init_method: str) -> Optional[D
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
     try:
-        return _train(rank, world_size, args, device, backend)
+        result = _train(rank, world_size, args, device, backend)
+        # every rank is done with its collectives before any rank tears the group down (a rank
+        # destroying its gloo group while a peer still finishes the last exchange was seen to
+        # abort at exit: "terminate called without an active exception")
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 
