@@ -52,7 +52,9 @@ define_macros = [
     ("Py_LIMITED_API", "0x03090000"),
 ]
 # No -std flag: torch picks the standard its headers need (C++17 or C++20).
-cxx_flags = ["-O3", "-fopenmp", "-fdiagnostics-color=always"]
+# -ffp-contract=off: no fused multiply-adds, so the kernels round like the separate ATen
+# ops they replace (bit-identity; e.g. the codec's v - level * scale) on every target.
+cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fdiagnostics-color=always"]
 extra_compile_args = {"cxx": cxx_flags}
 if with_cuda:
     sources += sorted(glob.glob("csrc/cuda/*.cu"))

@@ -1,0 +1,255 @@
+// CPU kernels of the low-bit value codec (contracts in slimcomm/ops.py,
+// definitions in slimcomm/reference.py, arithmetic in csrc/codec.h):
+//
+//   quantize_chunks         per chunk one bf16 scale, per value one code,
+//                           packed 8 / bits per byte (low bits first), and the
+//                           rounding error vals - decode(code);
+//   dequantize_chunks_mean  every row's codes decoded with its scales, the
+//                           rows summed in row order from +0, divided by the
+//                           divisor.
+//
+// Parallel over chunks (the scales) and over byte-aligned ranges of values
+// (codes, errors, means), so every byte is written by one thread and results
+// do not depend on the thread count. The bits-1 scale sums each chunk
+// sequentially in value order (as index_add_ does); eight full chunks are summed
+// interleaved, each still in its own order, to hide the latency of the adds.
+#include "codec.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace slimcomm {
+namespace {
+
+using codec::bf16_float;
+using codec::Levels;
+
+constexpr int64_t kGrainValues = 1 << 15;  // values per parallel task (at least)
+constexpr int64_t kBlockValues = 4096;     // values per inner block (fits in L1)
+
+template <typename Fn>
+void dispatch_bits(int64_t bits, Fn&& fn) {
+  switch (bits) {
+    case 1: fn(std::integral_constant<int, 1>()); break;
+    case 2: fn(std::integral_constant<int, 2>()); break;
+    case 4: fn(std::integral_constant<int, 4>()); break;
+    case 8: fn(std::integral_constant<int, 8>()); break;
+    default: TORCH_CHECK(false, "slimcomm: unsupported bits ", bits);
+  }
+}
+
+typedef uint32_t __attribute__((may_alias)) u32_alias;
+
+// Index of the chunk holding value i: the c with st[c] <= i < st[c + 1].
+inline int64_t chunk_of(const std::vector<int64_t>& st, int64_t i) {
+  return static_cast<int64_t>(std::upper_bound(st.begin(), st.end(), i) - st.begin()) - 1;
+}
+
+// The bf16 scale (bits) of the values v[a, b).
+template <int B>
+uint16_t chunk_scale(const float* v, int64_t a, int64_t b) {
+  if (B == 1) {
+    float acc = 0.f;
+    for (int64_t i = a; i < b; ++i) acc += std::fabs(v[i]);
+    return codec::scale_from_sum(acc, b - a);
+  }
+  const u32_alias* u = reinterpret_cast<const u32_alias*>(v);
+  uint32_t m = 0u;
+  for (int64_t i = a; i < b; ++i) {
+    const uint32_t x = u[i] & 0x7FFFFFFFu;
+    m = x > m ? x : m;
+  }
+  return codec::scale_from_maxbits(m);
+}
+
+template <int B>
+void compute_scales(const float* v, const std::vector<int64_t>& st, int64_t nchunks,
+                    int64_t chunk, uint16_t* sc) {
+  const int64_t grain = std::max<int64_t>(1, kGrainValues / chunk);
+  at::parallel_for(0, nchunks, grain, [&](int64_t c0, int64_t c1) {
+    int64_t c = c0;
+    if (B == 1) {
+      constexpr int G = 8;
+      for (; c + G <= c1; c += G) {
+        bool full = true;
+        for (int g = 0; g < G; ++g) full = full && st[c + g + 1] - st[c + g] == chunk;
+        if (!full) {
+          for (int g = 0; g < G; ++g) sc[c + g] = chunk_scale<B>(v, st[c + g], st[c + g + 1]);
+          continue;
+        }
+        float acc[G];
+        const float* p[G];
+        for (int g = 0; g < G; ++g) {
+          acc[g] = 0.f;
+          p[g] = v + st[c + g];
+        }
+        for (int64_t i = 0; i < chunk; ++i)
+          for (int g = 0; g < G; ++g) acc[g] += std::fabs(p[g][i]);
+        for (int g = 0; g < G; ++g) sc[c + g] = codec::scale_from_sum(acc[g], chunk);
+      }
+    }
+    for (; c < c1; ++c) sc[c] = chunk_scale<B>(v, st[c], st[c + 1]);
+  });
+}
+
+// Codes (as bytes) and errors of n values of one chunk with scale s.
+template <int B>
+void encode_run(const float* v, float* err, uint8_t* codes, int64_t n, float s) {
+  const float d = codec::divisor_of(s);
+  for (int64_t j = 0; j < n; ++j) {
+    const float r = codec::code_of<B>(codec::fdiv(v[j], d));
+    err[j] = codec::fsub(v[j], codec::fmul(codec::level_of<B, false>(r), s));
+    codes[j] = static_cast<uint8_t>(static_cast<int32_t>(r));
+  }
+}
+
+template <int B>
+void pack_bytes(const uint8_t* codes, uint8_t* out, int64_t nbytes) {
+  constexpr int per = Levels<B>::kPer;
+  for (int64_t q = 0; q < nbytes; ++q) {
+    uint32_t p = 0u;
+    for (int k = 0; k < per; ++k) p |= static_cast<uint32_t>(codes[q * per + k]) << (k * B);
+    out[q] = static_cast<uint8_t>(p);
+  }
+}
+
+template <int B>
+void encode_all(const float* v, float* err, uint8_t* packed, const uint16_t* sc,
+                const std::vector<int64_t>& st, int64_t K) {
+  constexpr int per = Levels<B>::kPer;
+  constexpr int64_t block_bytes = kBlockValues / per;
+  const int64_t nbytes = codec::packed_bytes(K, B);
+  at::parallel_for(0, nbytes, kGrainValues / per, [&](int64_t q0, int64_t q1) {
+    uint8_t codes[kBlockValues];
+    for (int64_t qb = q0; qb < q1; qb += block_bytes) {
+      const int64_t qe = std::min(q1, qb + block_bytes);
+      const int64_t i0 = qb * per, i1 = std::min(qe * per, K);
+      int64_t c = chunk_of(st, i0);
+      for (int64_t i = i0; i < i1; ++c) {
+        const int64_t hi = std::min(i1, st[c + 1]);
+        encode_run<B>(v + i, err + i, codes + (i - i0), hi - i, bf16_float(sc[c]));
+        i = hi;
+      }
+      for (int64_t i = i1; i < qe * per; ++i) codes[i - i0] = 0;  // padding of the last byte
+      pack_bytes<B>(codes, packed + qb, qe - qb);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_chunks_cpu(
+    const at::Tensor& vals, const at::Tensor& seg_offsets, int64_t chunk, int64_t bits,
+    int64_t nchunks) {
+  const char* op = "quantize_chunks";
+  codec::check_quantize_args(op, vals, seg_offsets, chunk, bits, nchunks);
+  const at::Tensor v = vals.contiguous();
+  const int64_t K = v.numel();
+  const std::vector<int64_t> st =
+      codec::chunk_starts_cpu(op, seg_offsets, K, chunk, nchunks, "nchunks");
+  at::Tensor packed = at::empty({codec::packed_bytes(K, bits)}, v.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({nchunks}, v.options().dtype(at::kBFloat16));
+  at::Tensor error = at::empty({K}, v.options());
+  if (K == 0) return {packed, scales, error};
+  const float* pv = v.data_ptr<float>();
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>());
+  dispatch_bits(bits, [&](auto tag) {
+    constexpr int B = decltype(tag)::value;
+    compute_scales<B>(pv, st, nchunks, chunk, sc);
+    encode_all<B>(pv, error.data_ptr<float>(), packed.data_ptr<uint8_t>(), sc, st, K);
+  });
+  return {packed, scales, error};
+}
+
+// out[lo, hi) += level(code) * s for the codes of one row and one chunk.
+template <int B>
+void decode_run_add(const uint8_t* P, int64_t lo, int64_t hi, float s, const float* lvl,
+                    const float* lut, float* out) {
+  constexpr int per = Levels<B>::kPer;
+  constexpr unsigned mask = Levels<B>::kMask;
+  auto one = [&](int64_t i) {
+    const unsigned code = (static_cast<unsigned>(P[i / per]) >> ((i % per) * B)) & mask;
+    out[i] = codec::fadd(out[i], codec::fmul(lvl[code], s));
+  };
+  for (; lo < hi && lo % per != 0; ++lo) one(lo);
+  const int64_t qa = lo / per, qb = hi / per;
+  for (int64_t q = qa; q < qb; ++q) {
+    const float* L = lut + static_cast<int64_t>(P[q]) * per;
+    float* o = out + q * per;
+    for (int k = 0; k < per; ++k) o[k] = codec::fadd(o[k], codec::fmul(L[k], s));
+  }
+  for (int64_t i = std::max(lo, qb * per); i < hi; ++i) one(i);
+}
+
+template <int B>
+void decode_mean_all(const uint8_t* packed, int64_t ps, const uint16_t* scales, int64_t ss,
+                     int64_t R, const std::vector<int64_t>& st, int64_t K, float divisor,
+                     float* out) {
+  constexpr int per = Levels<B>::kPer;
+  constexpr unsigned mask = Levels<B>::kMask;
+  constexpr int64_t block_bytes = kBlockValues / per;
+  float lvl[1 << B];
+  for (unsigned c = 0; c <= mask; ++c) lvl[c] = codec::level_of<B, false>(static_cast<float>(c));
+  std::vector<float> lut(256 * per);  // the levels of every byte's codes
+  for (int b = 0; b < 256; ++b)
+    for (int k = 0; k < per; ++k) lut[b * per + k] = lvl[(b >> (k * B)) & mask];
+  const int64_t nbytes = codec::packed_bytes(K, B);
+  at::parallel_for(0, nbytes, kGrainValues / per, [&](int64_t q0, int64_t q1) {
+    for (int64_t qb = q0; qb < q1; qb += block_bytes) {
+      const int64_t qe = std::min(q1, qb + block_bytes);
+      const int64_t i0 = qb * per, i1 = std::min(qe * per, K);
+      std::fill(out + i0, out + i1, 0.f);
+      const int64_t c0 = chunk_of(st, i0);
+      for (int64_t r = 0; r < R; ++r) {
+        const uint8_t* P = packed + r * ps;
+        const uint16_t* srow = scales + r * ss;
+        int64_t c = c0;
+        for (int64_t i = i0; i < i1; ++c) {
+          const int64_t hi = std::min(i1, st[c + 1]);
+          decode_run_add<B>(P, i, hi, bf16_float(srow[c]), lvl, lut.data(), out);
+          i = hi;
+        }
+      }
+      for (int64_t i = i0; i < i1; ++i) out[i] = codec::fdiv(out[i], divisor);
+    }
+  });
+}
+
+// A 2-D tensor whose rows are contiguous (a row-strided view is kept as is).
+at::Tensor rows_contiguous(const at::Tensor& t) {
+  return (t.size(1) <= 1 || t.stride(1) == 1) ? t : t.contiguous();
+}
+
+at::Tensor dequantize_chunks_mean_cpu(const at::Tensor& packed, const at::Tensor& scales,
+                                      const at::Tensor& seg_offsets, int64_t chunk, int64_t bits,
+                                      int64_t numel, double divisor) {
+  const char* op = "dequantize_chunks_mean";
+  codec::check_dequantize_args(op, packed, scales, seg_offsets, chunk, bits, numel, divisor);
+  const int64_t K = numel, R = packed.size(0), nchunks = scales.size(1);
+  const std::vector<int64_t> st =
+      codec::chunk_starts_cpu(op, seg_offsets, K, chunk, nchunks, "scales");
+  at::Tensor out = at::empty({K}, packed.options().dtype(at::kFloat));
+  if (K == 0) return out;
+  const at::Tensor p = rows_contiguous(packed), s = rows_contiguous(scales);
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
+  dispatch_bits(bits, [&](auto tag) {
+    constexpr int B = decltype(tag)::value;
+    decode_mean_all<B>(pp, p.stride(0), sp, s.stride(0), R, st, K,
+                       static_cast<float>(divisor), out.data_ptr<float>());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(slimcomm, CPU, m) {
+  m.impl("quantize_chunks", &quantize_chunks_cpu);
+  m.impl("dequantize_chunks_mean", &dequantize_chunks_mean_cpu);
+}
+
+}  // namespace slimcomm
