@@ -161,6 +161,61 @@ inline std::vector<int64_t> chunk_starts_cpu(const char* op, const at::Tensor& s
 }
 
 // ---------------------------------------------------------------------------
+// Chunk layout on the device, from oc (the offsets, 0 = oc[0] <= ... <= oc[S] = K) and
+// cp (cp[s] = the chunks of the segments before s, cp[S] = all of them), S + 1 each.
+// ---------------------------------------------------------------------------
+
+// Last s in [0, n) with a[s] <= v (a non-decreasing, a[0] <= v).
+SLIMCOMM_HD int64_t last_le(const int64_t* a, int64_t n, int64_t v) {
+  int64_t lo = 0, hi = n;  // first entry > v
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (a[mid] <= v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo - 1;
+}
+
+// The values [a, e) of chunk c (empty when c >= cp[S]).
+SLIMCOMM_HD void chunk_range(const int64_t* oc, const int64_t* cp, int64_t S, int64_t chunk,
+                             int64_t c, int64_t& a, int64_t& e) {
+  const int64_t s = last_le(cp, S + 1, c);  // S when c is past the layout's chunks
+  a = e = 0;
+  if (s < S) {
+    a = oc[s] + (c - cp[s]) * chunk;
+    const int64_t left = oc[s + 1] - a;
+    e = a + (chunk < left ? chunk : left);
+  }
+}
+
+// Walks the chunks value by value, from value i (0 <= i < K).
+struct ChunkCursor {
+  const int64_t* oc;
+  int64_t chunk;
+  int64_t s, c, end;  // segment and chunk of the current value, end of the chunk
+
+  SLIMCOMM_HD ChunkCursor(const int64_t* oc_, const int64_t* cp, int64_t S, int64_t chunk_,
+                          int64_t i)
+      : oc(oc_), chunk(chunk_) {
+    s = last_le(oc, S + 1, i);  // < S since i < K = oc[S]
+    const int64_t j = (i - oc[s]) / chunk;
+    c = cp[s] + j;
+    const int64_t a = oc[s] + j * chunk, left = oc[s + 1] - a;
+    end = a + (chunk < left ? chunk : left);
+  }
+  // Moves to value i == end, the first value of the next chunk.
+  SLIMCOMM_HD void next(int64_t i) {
+    ++c;  // the chunks tile the values in order
+    if (end == oc[s + 1]) {
+      ++s;
+      while (oc[s + 1] <= i) ++s;  // empty segments
+    }
+    const int64_t left = oc[s + 1] - i;
+    end = i + (chunk < left ? chunk : left);
+  }
+};
+
+// ---------------------------------------------------------------------------
 // Per-value arithmetic (host and device). On the device every operation is an
 // explicit round-to-nearest intrinsic, so nvcc cannot contract a multiply and an
 // add into an FMA (the host build uses -ffp-contract=off for the same reason).
@@ -266,7 +321,9 @@ SLIMCOMM_HD float code_of(float x) {
 template <int B, bool kRecip>
 SLIMCOMM_HD float level_of(float r) {
   if (B == 1) return fsub(fmul(r, 2.f), 1.f);
-  if (B == 2) return fsub(kRecip ? fmul(r, fdiv(1.f, 1.5f)) : fdiv(r, 1.5f), 1.f);
+  // bits 2: r * fp32(1 / 1.5) == r / 1.5 for the codes r = 0..3 (checked exhaustively,
+  // tests/test_ops_codec.py), so both devices multiply (a division does not vectorise well).
+  if (B == 2) return fsub(fmul(r, fdiv(1.f, 1.5f)), 1.f);
   const float L = static_cast<float>(Levels<B>::kL);
   const float c = fsub(r, L);
   return kRecip ? fmul(c, fdiv(1.f, L)) : fdiv(c, L);

@@ -273,6 +273,14 @@ def test_bits1_scale_is_the_sequential_sum():
         assert_bit_equal(s[c:c + 1], want.reshape(1), f"chunk {c}")
 
 
+def test_bits2_level_multiply_is_the_division():
+    """The kernels decode bits 2 as c * fp32(1 / 1.5) - 1 on both devices: the same as
+    the reference's c / 1.5 - 1 (ATen's CPU division) for every code c = 0..3."""
+    c = np.arange(4, dtype=np.float32)
+    assert np.array_equal((c / np.float32(1.5)).view(np.int32),
+                          (c * (np.float32(1) / np.float32(1.5))).view(np.int32))
+
+
 def test_chunk_count():
     assert ops.chunk_count([], 3) == 0
     assert ops.chunk_count([0, 1, 3, 4, 0, 7], 3) == 0 + 1 + 1 + 2 + 0 + 3

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -98,19 +99,19 @@ void compute_scales(const float* v, const std::vector<int64_t>& st, int64_t nchu
   });
 }
 
-// Codes (as bytes) and errors of n values of one chunk with scale s.
+// Codes and errors of n values of one chunk with scale s (int32 codes vectorise better).
 template <int B>
-void encode_run(const float* v, float* err, uint8_t* codes, int64_t n, float s) {
+void encode_run(const float* v, float* err, int32_t* codes, int64_t n, float s) {
   const float d = codec::divisor_of(s);
   for (int64_t j = 0; j < n; ++j) {
     const float r = codec::code_of<B>(codec::fdiv(v[j], d));
     err[j] = codec::fsub(v[j], codec::fmul(codec::level_of<B, false>(r), s));
-    codes[j] = static_cast<uint8_t>(static_cast<int32_t>(r));
+    codes[j] = static_cast<int32_t>(r);
   }
 }
 
 template <int B>
-void pack_bytes(const uint8_t* codes, uint8_t* out, int64_t nbytes) {
+void pack_bytes(const int32_t* codes, uint8_t* out, int64_t nbytes) {
   constexpr int per = Levels<B>::kPer;
   for (int64_t q = 0; q < nbytes; ++q) {
     uint32_t p = 0u;
@@ -126,7 +127,7 @@ void encode_all(const float* v, float* err, uint8_t* packed, const uint16_t* sc,
   constexpr int64_t block_bytes = kBlockValues / per;
   const int64_t nbytes = codec::packed_bytes(K, B);
   at::parallel_for(0, nbytes, kGrainValues / per, [&](int64_t q0, int64_t q1) {
-    uint8_t codes[kBlockValues];
+    int32_t codes[kBlockValues];
     for (int64_t qb = q0; qb < q1; qb += block_bytes) {
       const int64_t qe = std::min(q1, qb + block_bytes);
       const int64_t i0 = qb * per, i1 = std::min(qe * per, K);
@@ -165,24 +166,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_chunks_cpu(
   return {packed, scales, error};
 }
 
-// out[lo, hi) += level(code) * s for the codes of one row and one chunk.
-template <int B>
-void decode_run_add(const uint8_t* P, int64_t lo, int64_t hi, float s, const float* lvl,
-                    const float* lut, float* out) {
-  constexpr int per = Levels<B>::kPer;
-  constexpr unsigned mask = Levels<B>::kMask;
-  auto one = [&](int64_t i) {
-    const unsigned code = (static_cast<unsigned>(P[i / per]) >> ((i % per) * B)) & mask;
-    out[i] = codec::fadd(out[i], codec::fmul(lvl[code], s));
-  };
-  for (; lo < hi && lo % per != 0; ++lo) one(lo);
-  const int64_t qa = lo / per, qb = hi / per;
-  for (int64_t q = qa; q < qb; ++q) {
-    const float* L = lut + static_cast<int64_t>(P[q]) * per;
-    float* o = out + q * per;
-    for (int k = 0; k < per; ++k) o[k] = codec::fadd(o[k], codec::fmul(L[k], s));
+// o = ((first ? +0 : o) + t * s) [/ divisor if last], elementwise (vectorised).
+inline void add_scaled(float* __restrict__ o, const float* __restrict__ t, int64_t n, float s,
+                       bool first, bool last, float divisor) {
+  if (first && last) {
+    for (int64_t j = 0; j < n; ++j)
+      o[j] = codec::fdiv(codec::fadd(0.f, codec::fmul(t[j], s)), divisor);
+  } else if (first) {
+    for (int64_t j = 0; j < n; ++j) o[j] = codec::fadd(0.f, codec::fmul(t[j], s));
+  } else if (last) {
+    for (int64_t j = 0; j < n; ++j)
+      o[j] = codec::fdiv(codec::fadd(o[j], codec::fmul(t[j], s)), divisor);
+  } else {
+    for (int64_t j = 0; j < n; ++j) o[j] = codec::fadd(o[j], codec::fmul(t[j], s));
   }
-  for (int64_t i = std::max(lo, qb * per); i < hi; ++i) one(i);
 }
 
 template <int B>
@@ -192,29 +189,36 @@ void decode_mean_all(const uint8_t* packed, int64_t ps, const uint16_t* scales, 
   constexpr int per = Levels<B>::kPer;
   constexpr unsigned mask = Levels<B>::kMask;
   constexpr int64_t block_bytes = kBlockValues / per;
-  float lvl[1 << B];
-  for (unsigned c = 0; c <= mask; ++c) lvl[c] = codec::level_of<B, false>(static_cast<float>(c));
   std::vector<float> lut(256 * per);  // the levels of every byte's codes
   for (int b = 0; b < 256; ++b)
-    for (int k = 0; k < per; ++k) lut[b * per + k] = lvl[(b >> (k * B)) & mask];
+    for (int k = 0; k < per; ++k)
+      lut[b * per + k] = codec::level_of<B, false>(static_cast<float>((b >> (k * B)) & mask));
+  const float* L = lut.data();
   const int64_t nbytes = codec::packed_bytes(K, B);
   at::parallel_for(0, nbytes, kGrainValues / per, [&](int64_t q0, int64_t q1) {
+    float levels[kBlockValues];
     for (int64_t qb = q0; qb < q1; qb += block_bytes) {
       const int64_t qe = std::min(q1, qb + block_bytes);
       const int64_t i0 = qb * per, i1 = std::min(qe * per, K);
-      std::fill(out + i0, out + i1, 0.f);
+      float* o = out + i0;
+      if (R == 0) {  // the mean of no rows: +0 / divisor
+        for (int64_t i = 0; i < i1 - i0; ++i) o[i] = codec::fdiv(0.f, divisor);
+        continue;
+      }
       const int64_t c0 = chunk_of(st, i0);
       for (int64_t r = 0; r < R; ++r) {
-        const uint8_t* P = packed + r * ps;
+        const uint8_t* P = packed + r * ps + qb;
+        for (int64_t q = 0; q < qe - qb; ++q)
+          std::memcpy(levels + q * per, L + static_cast<int64_t>(P[q]) * per, sizeof(float) * per);
         const uint16_t* srow = scales + r * ss;
         int64_t c = c0;
         for (int64_t i = i0; i < i1; ++c) {
           const int64_t hi = std::min(i1, st[c + 1]);
-          decode_run_add<B>(P, i, hi, bf16_float(srow[c]), lvl, lut.data(), out);
+          add_scaled(o + (i - i0), levels + (i - i0), hi - i, bf16_float(srow[c]), r == 0,
+                     r == R - 1, divisor);
           i = hi;
         }
       }
-      for (int64_t i = i0; i < i1; ++i) out[i] = codec::fdiv(out[i], divisor);
     }
   });
 }

@@ -94,43 +94,6 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// Last s in [0, n) with a[s] <= v (a non-decreasing, a[0] <= v).
-__device__ __forceinline__ int64_t last_le(const int64_t* a, int64_t n, int64_t v) {
-  int64_t lo = 0, hi = n;  // first entry > v
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (a[mid] <= v) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo - 1;
-}
-
-// Walks the chunks of a valid layout (oc, cp from layout_kernel) value by value.
-struct Cursor {
-  const int64_t* oc;
-  int64_t chunk;
-  int64_t s, c, end;  // segment and chunk of the current value, end of the chunk
-
-  __device__ __forceinline__ Cursor(const int64_t* oc_, const int64_t* cp, int64_t S,
-                                    int64_t chunk_, int64_t i)
-      : oc(oc_), chunk(chunk_) {
-    s = last_le(oc, S + 1, i);  // < S for i < K = oc[S]
-    const int64_t j = (i - oc[s]) / chunk;
-    c = cp[s] + j;
-    const int64_t a = oc[s] + j * chunk;
-    end = a + min(chunk, oc[s + 1] - a);
-  }
-  // Moves to value i, the first value past the current chunk (i == end).
-  __device__ __forceinline__ void next(int64_t i) {
-    ++c;  // chunks tile the values in order
-    if (end == oc[s + 1]) {
-      ++s;
-      while (oc[s + 1] <= i) ++s;  // empty segments
-    }
-    end = i + min(chunk, oc[s + 1] - i);
-  }
-};
-
 template <int B>
 __global__ void __launch_bounds__(kBlock)
     scales_kernel(const float* __restrict__ v, const int64_t* __restrict__ oc,
@@ -139,12 +102,8 @@ __global__ void __launch_bounds__(kBlock)
   const int lane = threadIdx.x & 31;
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; c < nchunks;
        c += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t s = last_le(cp, S + 1, c);  // S when c is past the layout's chunks
-    int64_t a = 0, e = 0;
-    if (s < S) {
-      a = oc[s] + (c - cp[s]) * chunk;
-      e = a + min(chunk, oc[s + 1] - a);
-    }
+    int64_t a, e;
+    codec::chunk_range(oc, cp, S, chunk, c, a, e);
     uint16_t out;
     if (B == 1) {
       float acc = 0.f;  // adding the +0 of the lanes past the end changes nothing
@@ -183,7 +142,7 @@ __global__ void __launch_bounds__(kBlock)
   for (int64_t q = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; q < nbytes;
        q += static_cast<int64_t>(gridDim.x) * kBlock) {
     const int64_t i0 = q * per;
-    Cursor cur(oc, cp, S, chunk, i0);
+    codec::ChunkCursor cur(oc, cp, S, chunk, i0);
     uint32_t byte = 0u;
 #pragma unroll
     for (int k = 0; k < per; ++k) {
@@ -214,7 +173,7 @@ __global__ void __launch_bounds__(kBlock)
   for (int64_t q = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; q < nbytes;
        q += static_cast<int64_t>(gridDim.x) * kBlock) {
     const int64_t i0 = q * per;
-    Cursor cur(oc, cp, S, chunk, i0);
+    codec::ChunkCursor cur(oc, cp, S, chunk, i0);
     int64_t cs[per];
     float acc[per];
 #pragma unroll
