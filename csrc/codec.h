@@ -134,30 +134,28 @@ inline int64_t check_dequantize_args(const char* op, const at::Tensor& packed,
 }
 
 // The CPU-only content check of seg_offsets (0 = o[0] <= ... <= o[S] = K) and of the
-// chunk count; returns the start of every chunk and K (nchunks + 1 entries).
-inline std::vector<int64_t> chunk_starts_cpu(const char* op, const at::Tensor& seg_offsets,
-                                             int64_t K, int64_t chunk, int64_t nchunks,
-                                             const char* nchunks_arg) {
+// chunk count; returns the layout [oc | cp] (S + 1 entries each, see below) that the CUDA
+// kernels build on the device (layout_kernel), so both backends walk the same code.
+inline std::vector<int64_t> layout_cpu(const char* op, const at::Tensor& seg_offsets, int64_t K,
+                                       int64_t chunk, int64_t nchunks, const char* nchunks_arg) {
   const at::Tensor oc = seg_offsets.contiguous();
   const int64_t* o = oc.data_ptr<int64_t>();
   const int64_t S = oc.numel() - 1;
   SLIMCOMM_CHECK(o[0] == 0 && o[S] == K, op, "seg_offsets", "must start at 0 and end at the "
                  "number of values ", K, ", got ", o[0], " .. ", o[S]);
+  std::vector<int64_t> lay(2 * (S + 1));
   int64_t total = 0;
-  for (int64_t s = 0; s < S; ++s) {
+  for (int64_t s = 0; s <= S; ++s) {
+    lay[s] = o[s];
+    lay[S + 1 + s] = total;
+    if (s == S) break;
     SLIMCOMM_CHECK(o[s + 1] >= o[s], op, "seg_offsets", "must be non-decreasing, but entry ",
                    s + 1, " (", o[s + 1], ") < entry ", s, " (", o[s], ")");
     total += ceil_div(o[s + 1] - o[s], chunk);
   }
   SLIMCOMM_CHECK(total == nchunks, op, nchunks_arg, "gives ", nchunks, " chunks, but the "
                  "segments of 'seg_offsets' make ", total, " chunks of ", chunk, " values");
-  std::vector<int64_t> starts;
-  starts.reserve(static_cast<size_t>(nchunks) + 1);
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t j = 0, n = ceil_div(o[s + 1] - o[s], chunk); j < n; ++j)
-      starts.push_back(o[s] + j * chunk);
-  starts.push_back(K);
-  return starts;
+  return lay;
 }
 
 // ---------------------------------------------------------------------------

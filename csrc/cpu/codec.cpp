@@ -10,7 +10,9 @@
 //
 // Parallel over chunks (the scales) and over byte-aligned ranges of values
 // (codes, errors, means), so every byte is written by one thread and results
-// do not depend on the thread count. The bits-1 scale sums each chunk
+// do not depend on the thread count. The chunks are walked with the layout
+// functions the CUDA kernels use (codec::chunk_range, codec::ChunkCursor), so
+// the CPU tests exercise them too. The bits-1 scale sums each chunk
 // sequentially in value order (as index_add_ does); eight full chunks are summed
 // interleaved, each still in its own order, to hide the latency of the adds.
 #include "codec.h"
@@ -47,10 +49,15 @@ void dispatch_bits(int64_t bits, Fn&& fn) {
 
 typedef uint32_t __attribute__((may_alias)) u32_alias;
 
-// Index of the chunk holding value i: the c with st[c] <= i < st[c + 1].
-inline int64_t chunk_of(const std::vector<int64_t>& st, int64_t i) {
-  return static_cast<int64_t>(std::upper_bound(st.begin(), st.end(), i) - st.begin()) - 1;
-}
+// The validated chunk layout (codec::layout_cpu), walked with the same host-and-device
+// functions as the CUDA kernels.
+struct Layout {
+  std::vector<int64_t> lay;  // [oc | cp]
+  int64_t S, chunk;
+  const int64_t* oc() const { return lay.data(); }
+  const int64_t* cp() const { return lay.data() + S + 1; }
+  codec::ChunkCursor cursor(int64_t i) const { return codec::ChunkCursor(oc(), cp(), S, chunk, i); }
+};
 
 // The bf16 scale (bits) of the values v[a, b).
 template <int B>
@@ -70,32 +77,35 @@ uint16_t chunk_scale(const float* v, int64_t a, int64_t b) {
 }
 
 template <int B>
-void compute_scales(const float* v, const std::vector<int64_t>& st, int64_t nchunks,
-                    int64_t chunk, uint16_t* sc) {
+void compute_scales(const float* v, const Layout& L, int64_t nchunks, int64_t K, uint16_t* sc) {
+  const int64_t chunk = L.chunk;
   const int64_t grain = std::max<int64_t>(1, kGrainValues / chunk);
   at::parallel_for(0, nchunks, grain, [&](int64_t c0, int64_t c1) {
-    int64_t c = c0;
-    if (B == 1) {
-      constexpr int G = 8;
-      for (; c + G <= c1; c += G) {
-        bool full = true;
-        for (int g = 0; g < G; ++g) full = full && st[c + g + 1] - st[c + g] == chunk;
-        if (!full) {
-          for (int g = 0; g < G; ++g) sc[c + g] = chunk_scale<B>(v, st[c + g], st[c + g + 1]);
-          continue;
-        }
-        float acc[G];
-        const float* p[G];
-        for (int g = 0; g < G; ++g) {
-          acc[g] = 0.f;
-          p[g] = v + st[c + g];
-        }
-        for (int64_t i = 0; i < chunk; ++i)
-          for (int g = 0; g < G; ++g) acc[g] += std::fabs(p[g][i]);
-        for (int g = 0; g < G; ++g) sc[c + g] = codec::scale_from_sum(acc[g], chunk);
+    int64_t start, e;
+    codec::chunk_range(L.oc(), L.cp(), L.S, chunk, c0, start, e);
+    codec::ChunkCursor cur = L.cursor(start);
+    constexpr int G = 8;
+    for (int64_t c = c0; c < c1;) {
+      const int n = (B == 1 && c + G <= c1) ? G : 1;
+      int64_t lo[G], hi[G];
+      bool full = true;
+      for (int g = 0; g < n; ++g) {  // the next n chunks
+        lo[g] = start;
+        hi[g] = start = cur.end;
+        full = full && hi[g] - lo[g] == chunk;
+        if (start < K) cur.next(start);
       }
+      if (n == G && full) {
+        float acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = 0.f;
+        for (int64_t i = 0; i < chunk; ++i)
+          for (int g = 0; g < G; ++g) acc[g] += std::fabs(v[lo[g] + i]);
+        for (int g = 0; g < G; ++g) sc[c + g] = codec::scale_from_sum(acc[g], chunk);
+      } else {
+        for (int g = 0; g < n; ++g) sc[c + g] = chunk_scale<B>(v, lo[g], hi[g]);
+      }
+      c += n;
     }
-    for (; c < c1; ++c) sc[c] = chunk_scale<B>(v, st[c], st[c + 1]);
   });
 }
 
@@ -122,7 +132,7 @@ void pack_bytes(const int32_t* codes, uint8_t* out, int64_t nbytes) {
 
 template <int B>
 void encode_all(const float* v, float* err, uint8_t* packed, const uint16_t* sc,
-                const std::vector<int64_t>& st, int64_t K) {
+                const Layout& L, int64_t K) {
   constexpr int per = Levels<B>::kPer;
   constexpr int64_t block_bytes = kBlockValues / per;
   const int64_t nbytes = codec::packed_bytes(K, B);
@@ -131,11 +141,12 @@ void encode_all(const float* v, float* err, uint8_t* packed, const uint16_t* sc,
     for (int64_t qb = q0; qb < q1; qb += block_bytes) {
       const int64_t qe = std::min(q1, qb + block_bytes);
       const int64_t i0 = qb * per, i1 = std::min(qe * per, K);
-      int64_t c = chunk_of(st, i0);
-      for (int64_t i = i0; i < i1; ++c) {
-        const int64_t hi = std::min(i1, st[c + 1]);
-        encode_run<B>(v + i, err + i, codes + (i - i0), hi - i, bf16_float(sc[c]));
+      codec::ChunkCursor cur = L.cursor(i0);
+      for (int64_t i = i0; i < i1;) {
+        const int64_t hi = std::min(i1, cur.end);
+        encode_run<B>(v + i, err + i, codes + (i - i0), hi - i, bf16_float(sc[cur.c]));
         i = hi;
+        if (i < i1) cur.next(i);
       }
       for (int64_t i = i1; i < qe * per; ++i) codes[i - i0] = 0;  // padding of the last byte
       pack_bytes<B>(codes, packed + qb, qe - qb);
@@ -150,8 +161,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_chunks_cpu(
   codec::check_quantize_args(op, vals, seg_offsets, chunk, bits, nchunks);
   const at::Tensor v = vals.contiguous();
   const int64_t K = v.numel();
-  const std::vector<int64_t> st =
-      codec::chunk_starts_cpu(op, seg_offsets, K, chunk, nchunks, "nchunks");
+  const int64_t S = seg_offsets.numel() - 1;
+  const Layout L{codec::layout_cpu(op, seg_offsets, K, chunk, nchunks, "nchunks"), S, chunk};
   at::Tensor packed = at::empty({codec::packed_bytes(K, bits)}, v.options().dtype(at::kByte));
   at::Tensor scales = at::empty({nchunks}, v.options().dtype(at::kBFloat16));
   at::Tensor error = at::empty({K}, v.options());
@@ -160,8 +171,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_chunks_cpu(
   uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>());
   dispatch_bits(bits, [&](auto tag) {
     constexpr int B = decltype(tag)::value;
-    compute_scales<B>(pv, st, nchunks, chunk, sc);
-    encode_all<B>(pv, error.data_ptr<float>(), packed.data_ptr<uint8_t>(), sc, st, K);
+    compute_scales<B>(pv, L, nchunks, K, sc);
+    encode_all<B>(pv, error.data_ptr<float>(), packed.data_ptr<uint8_t>(), sc, L, K);
   });
   return {packed, scales, error};
 }
@@ -184,7 +195,7 @@ inline void add_scaled(float* __restrict__ o, const float* __restrict__ t, int64
 
 template <int B>
 void decode_mean_all(const uint8_t* packed, int64_t ps, const uint16_t* scales, int64_t ss,
-                     int64_t R, const std::vector<int64_t>& st, int64_t K, float divisor,
+                     int64_t R, const Layout& Lay, int64_t K, float divisor,
                      float* out) {
   constexpr int per = Levels<B>::kPer;
   constexpr unsigned mask = Levels<B>::kMask;
@@ -205,18 +216,19 @@ void decode_mean_all(const uint8_t* packed, int64_t ps, const uint16_t* scales, 
         for (int64_t i = 0; i < i1 - i0; ++i) o[i] = codec::fdiv(0.f, divisor);
         continue;
       }
-      const int64_t c0 = chunk_of(st, i0);
+      const codec::ChunkCursor first = Lay.cursor(i0);
       for (int64_t r = 0; r < R; ++r) {
         const uint8_t* P = packed + r * ps + qb;
         for (int64_t q = 0; q < qe - qb; ++q)
           std::memcpy(levels + q * per, L + static_cast<int64_t>(P[q]) * per, sizeof(float) * per);
         const uint16_t* srow = scales + r * ss;
-        int64_t c = c0;
-        for (int64_t i = i0; i < i1; ++c) {
-          const int64_t hi = std::min(i1, st[c + 1]);
-          add_scaled(o + (i - i0), levels + (i - i0), hi - i, bf16_float(srow[c]), r == 0,
+        codec::ChunkCursor cur = first;
+        for (int64_t i = i0; i < i1;) {
+          const int64_t hi = std::min(i1, cur.end);
+          add_scaled(o + (i - i0), levels + (i - i0), hi - i, bf16_float(srow[cur.c]), r == 0,
                      r == R - 1, divisor);
           i = hi;
+          if (i < i1) cur.next(i);
         }
       }
     }
@@ -234,8 +246,8 @@ at::Tensor dequantize_chunks_mean_cpu(const at::Tensor& packed, const at::Tensor
   const char* op = "dequantize_chunks_mean";
   codec::check_dequantize_args(op, packed, scales, seg_offsets, chunk, bits, numel, divisor);
   const int64_t K = numel, R = packed.size(0), nchunks = scales.size(1);
-  const std::vector<int64_t> st =
-      codec::chunk_starts_cpu(op, seg_offsets, K, chunk, nchunks, "scales");
+  const int64_t S = seg_offsets.numel() - 1;
+  const Layout L{codec::layout_cpu(op, seg_offsets, K, chunk, nchunks, "scales"), S, chunk};
   at::Tensor out = at::empty({K}, packed.options().dtype(at::kFloat));
   if (K == 0) return out;
   const at::Tensor p = rows_contiguous(packed), s = rows_contiguous(scales);
@@ -243,7 +255,7 @@ at::Tensor dequantize_chunks_mean_cpu(const at::Tensor& packed, const at::Tensor
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(s.data_ptr<at::BFloat16>());
   dispatch_bits(bits, [&](auto tag) {
     constexpr int B = decltype(tag)::value;
-    decode_mean_all<B>(pp, p.stride(0), sp, s.stride(0), R, st, K,
+    decode_mean_all<B>(pp, p.stride(0), sp, s.stride(0), R, L, K,
                        static_cast<float>(divisor), out.data_ptr<float>());
   });
   return out;
