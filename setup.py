@@ -52,7 +52,12 @@ define_macros = [
     ("Py_LIMITED_API", "0x03090000"),
 ]
 # No -std flag: torch picks the standard its headers need (C++17 or C++20).
-cxx_flags = ["-O3", "-fopenmp", "-fdiagnostics-color=always"]
+# -ffp-contract=off: no fused multiply-adds, so the kernels round like the separate ATen
+# ops they replace (bit-identity; e.g. the codec's v - level * scale) on every target.
+# -fno-trapping-math: lets GCC vectorise loops with float selects (the codec's clamps);
+# it only drops the assumption that FP exceptions trap, values are unchanged.
+cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
+             "-fdiagnostics-color=always"]
 extra_compile_args = {"cxx": cxx_flags}
 if with_cuda:
     sources += sorted(glob.glob("csrc/cuda/*.cu"))

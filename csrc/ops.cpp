@@ -89,6 +89,11 @@ TORCH_LIBRARY(slimcomm, m) {
   m.def("step_undo(Tensor void_flag, Tensor(a!)? residual=None, Tensor? spare=None, "
         "Tensor(b!)? G=None, Tensor? indices=None, Tensor? old_g=None, "
         "Tensor(c!)? counter=None) -> ()");
+  // The low-bit value codec (slimcomm/compressor.py, value_bits; contracts in slimcomm/ops.py).
+  m.def("quantize_chunks(Tensor vals, Tensor seg_offsets, int chunk, int bits, int nchunks) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("dequantize_chunks_mean(Tensor packed, Tensor scales, Tensor seg_offsets, int chunk, "
+        "int bits, int numel, float divisor) -> Tensor");
   m.def("_build_info() -> str", &build_info);
   m.def("_cuda_checks(str mode) -> str", &set_cuda_checks);
 }
@@ -98,7 +103,8 @@ TORCH_LIBRARY_IMPL(slimcomm, CUDA, m) {
   for (const char* name : {"significance_topk", "significance_topk_segmented", "explore_sample",
                            "explore_sample_segmented", "pack", "unpack", "gather_slices",
                            "scatter_slices", "gather_slices_multi", "scatter_slices_multi",
-                           "step_encode", "step_commit", "step_commit_local", "step_undo"}) {
+                           "step_encode", "step_commit", "step_commit_local", "step_undo",
+                           "quantize_chunks", "dequantize_chunks_mean"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
   }
 }

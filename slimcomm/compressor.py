@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from . import ops
 from .agreement import agree_across_ranks, max_min_across_ranks
-from .codec import BITS, ChunkPlan, dequantize, pack_codes, quantize, unpack_codes
+from .codec import BITS, ChunkPlan
 
 __all__ = ["SlimDPCompressor", "selection_sizes", "explore_rng_offset"]
 
@@ -1434,9 +1434,8 @@ def _quantised(state, layout, buf, world_size, step, weight):
     # [acc[idx] | flags] in fp32 (world size 1: undivided), acc[idx] = 0, acc /= scale.
     head, acc = _encode(state, layout, buf, idx, 1, torch.float32, scale)
     vals, flags = head[:k], head[k:]
-    codes, scales = quantize(vals, plan, bits)
-    own = dequantize(codes, scales, plan, bits)
-    packed = pack_codes(codes, bits)
+    # scales, packed codes and the rounding error vals - decoded, in one op
+    packed, scales, lost = plan.quantize(vals, bits)
     nsc = plan.nchunks + plan.nchunks % 2  # keep the codes 4-byte aligned
     if layout.qpad is None:  # zero padding of the payload, fixed per layout
         layout.qpad = (torch.zeros(2 * (nsc - plan.nchunks), dtype=torch.uint8, device=buf.device),
@@ -1448,7 +1447,6 @@ def _quantised(state, layout, buf, world_size, step, weight):
     state._count(layout.numel * buf.element_size(), P, layout.numel, k, k - n_explore, n_explore)
     if acc is not None:
         # what was not delivered (the rounding error) stays in the residual, unscaled
-        lost = vals.sub_(own)
         ops.unpack(acc, idx, lost if scale is None else lost.div_(scale))
     gathered = torch.empty(world_size * P, dtype=torch.uint8, device=buf.device)
     fut = _ALL_GATHER(gathered, wire, group=state.group, async_op=True).get_future()
@@ -1457,8 +1455,8 @@ def _quantised(state, layout, buf, world_size, step, weight):
         rows = gathered.view(world_size, P)
         all_flags = rows[:, :4 * S].view(torch.float32).sum(0)
         all_scales = rows[:, 4 * S:4 * S + 2 * plan.nchunks].view(torch.bfloat16)
-        all_codes = unpack_codes(rows[:, 4 * S + 2 * nsc:], k, bits)
-        avg = dequantize(all_codes, all_scales, plan, bits).sum(0).div_(world_size)
+        # every rank's codes decoded and summed in rank order, / world size, in one op
+        avg = plan.dequantize_mean(rows[:, 4 * S + 2 * nsc:], all_scales, bits, world_size)
         _commit(state, layout, buf, acc, idx, torch.cat([avg, all_flags]), step, scale)
         return buf
 

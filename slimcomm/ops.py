@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Callable, Iterator, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -51,6 +51,10 @@ __all__ = [
     "step_commit",
     "step_commit_local",
     "step_undo",
+    "CODEC_BITS",
+    "chunk_count",
+    "quantize_chunks",
+    "dequantize_chunks_mean",
     "trusted_indices",
     "run_trusted",
 ]
@@ -672,6 +676,134 @@ def step_undo(
 
 
 # ---------------------------------------------------------------------------
+# The low-bit value codec (SlimDPCompressor with value_bits)
+# ---------------------------------------------------------------------------
+
+CODEC_BITS = (1, 2, 4, 8)
+"""Accepted values of the ``bits`` argument of the codec ops."""
+
+
+def chunk_count(counts: Sequence[int], chunk: int) -> int:
+    """Number of chunks of ``chunk`` values that segments of ``counts`` values make.
+
+    Each segment is cut on its own (its last chunk may be short; an empty segment
+    makes none): ``sum(ceil(c / chunk))``. A host-side helper: the codec ops take
+    the count as an argument (their output shapes must not depend on tensor
+    contents) and check it against ``seg_offsets`` on the CPU.
+
+    Raises:
+        ValueError: ``chunk < 1`` or a negative count.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk!r}")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"counts must be >= 0, got {list(counts)!r}")
+    return sum(-(-int(c) // chunk) for c in counts)
+
+
+def quantize_chunks(
+    vals: torch.Tensor,
+    seg_offsets: torch.Tensor,
+    chunk: int,
+    bits: int,
+    nchunks: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-chunk scaled low-bit codes of ``vals``, packed, with their rounding error.
+
+    ``vals`` is segment-contiguous: segment ``s`` holds ``vals[o[s]:o[s + 1]]``
+    (``o = seg_offsets``, possibly empty). Each segment is cut into chunks of
+    ``chunk`` values (the last one may be short), numbered in order over all
+    segments; each chunk gets one bf16 scale and each value one ``bits``-bit code:
+
+    * ``bits = 1``: scale = ``bf16(sum |x| / size)`` (the fp32 sum accumulated
+      in value order), code = ``x / d >= 0``; level ``2c - 1`` (scaled sign:
+      1-bit SGD, Seide et al. 2014; EF-signSGD, Karimireddy et al. 2019);
+    * ``bits = 2``: scale = ``bf16(max |x|)``, code = ``clamp(round((x / d + 1)
+      * 1.5), 0, 3)``; level ``c / 1.5 - 1``, i.e. ``{-1, -1/3, 1/3, 1}``;
+    * ``bits = 4, 8``: scale = ``bf16(max |x|)``, code = ``clamp(round(x / d *
+      L), -L, L) + L`` with ``L = 2**(bits-1) - 1``; level ``(c - L) / L``;
+
+    with ``d = max(float(scale), 1e-30)``, round half to even, and the decoded
+    value ``level * float(scale)``. Codes are packed ``8 // bits`` per byte, low
+    bits first, over all ``K`` values (zero codes pad the last byte).
+
+    A chunk holding NaN or inf gets a non-finite scale (NaN if any NaN), so its
+    values decode to non-finite values (a NaN ``x / d`` gets the lowest code);
+    other chunks are unaffected. Divisions by a number (``1.5``, ``L``) are true
+    divisions on the CPU and multiplications by the fp32 reciprocal on CUDA, as
+    in ATen's kernels (``reference.quantize_chunks`` run on the same device is
+    bit-identical; bits 4/8 levels may differ in the last bit between devices).
+
+    Args:
+        vals: fp32 ``[K]``.
+        seg_offsets: int64 ``[S + 1]`` on ``vals``' device, ``0 = o[0] <= ... <=
+            o[S] = K``.
+        chunk: values per chunk, ``>= 1``.
+        bits: one of :data:`CODEC_BITS`.
+        nchunks: the number of chunks, :func:`chunk_count` of the segment sizes.
+
+    Returns:
+        ``(packed, scales, error)``: uint8 ``[ceil(K * bits / 8)]``, bf16
+        ``[nchunks]``, and fp32 ``[K]`` = ``vals - decoded`` (the rounding error,
+        for error feedback).
+
+    Raises:
+        RuntimeError: ``vals`` not fp32 or not 1-D, ``seg_offsets`` not 1-D
+            int64 or on another device, ``chunk < 1``, ``bits`` not in
+            :data:`CODEC_BITS`, ``nchunks`` impossible for ``K`` and ``S``; on the
+            CPU also ``seg_offsets`` not ``0 .. K`` non-decreasing or ``nchunks``
+            not what it makes (on CUDA its contents are not read on the host:
+            malformed offsets give unspecified values, never an out-of-bounds
+            access). The message names the argument.
+    """
+    return _ops.quantize_chunks(vals, seg_offsets, chunk, bits, nchunks)
+
+
+def dequantize_chunks_mean(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    seg_offsets: torch.Tensor,
+    chunk: int,
+    bits: int,
+    numel: int,
+    divisor: float,
+) -> torch.Tensor:
+    """Decode every row of :func:`quantize_chunks` output and average them.
+
+    ``out = (((0 + dec(row 0)) + dec(row 1)) + ... + dec(row R-1)) / divisor``
+    in fp32: the rows are added one by one in row (rank) order, starting from
+    ``+0``, so every rank that decodes the same bytes gets a bit-identical mean.
+    ``dec(row r)`` is ``level(code) * float(scale)`` as in :func:`quantize_chunks`.
+    The division is a true division on the CPU and a multiplication by the fp32
+    reciprocal on CUDA (ATen's rounding for a division by a number on each).
+
+    Args:
+        packed: uint8 ``[R, B]`` with ``B >= ceil(numel * bits / 8)`` (extra bytes
+            are ignored); rows may be strided (e.g. a view of an all-gathered
+            buffer) as long as each row is contiguous.
+        scales: bf16 ``[R, nchunks]`` on ``packed``'s device, rows likewise.
+        seg_offsets: int64 ``[S + 1]``, the layout of :func:`quantize_chunks`.
+        chunk: values per chunk, ``>= 1``.
+        bits: one of :data:`CODEC_BITS`.
+        numel: ``K >= 0``, values per row.
+        divisor: finite, nonzero (e.g. the world size).
+
+    Returns:
+        fp32 ``[numel]``.
+
+    Raises:
+        RuntimeError: wrong dtypes, ranks or devices, ``scales`` rows not those
+            of ``packed``, ``packed`` too narrow, ``nchunks`` impossible, ``chunk <
+            1``, ``bits`` not in :data:`CODEC_BITS`, ``numel < 0``, ``divisor`` zero
+            or non-finite; on the CPU also malformed ``seg_offsets`` or
+            ``scales.shape[1]`` not the chunk count they make. The message names
+            the argument.
+    """
+    return _ops.dequantize_chunks_mean(packed, scales, seg_offsets, chunk, bits, numel,
+                                       float(divisor))
+
+
+# ---------------------------------------------------------------------------
 # Fake (meta) kernels: output shapes from the arguments alone.
 # ---------------------------------------------------------------------------
 
@@ -761,3 +893,16 @@ def _(buf, all_indices, all_values, offsets, world_size, counter, acc=None, resi
 @torch.library.register_fake("slimcomm::step_undo")
 def _(void_flag, residual=None, spare=None, G=None, indices=None, old_g=None, counter=None):
     return None
+
+
+@torch.library.register_fake("slimcomm::quantize_chunks")
+def _(vals, seg_offsets, chunk, bits, nchunks):
+    K = vals.shape[0]
+    return (vals.new_empty(((K * bits + 7) // 8,), dtype=torch.uint8),
+            vals.new_empty((nchunks,), dtype=torch.bfloat16),
+            vals.new_empty((K,), dtype=torch.float32))
+
+
+@torch.library.register_fake("slimcomm::dequantize_chunks_mean")
+def _(packed, scales, seg_offsets, chunk, bits, numel, divisor):
+    return packed.new_empty((numel,), dtype=torch.float32)

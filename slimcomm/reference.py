@@ -31,6 +31,8 @@ __all__ = [
     "step_commit",
     "step_commit_local",
     "step_undo",
+    "quantize_chunks",
+    "dequantize_chunks_mean",
 ]
 
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -332,3 +334,90 @@ def step_undo(void_flag, residual=None, spare=None, G=None, indices=None, old_g=
         torch.where(v, spare, residual, out=residual)
     if G is not None:
         G[indices] = torch.where(v, old_g, G[indices])
+
+
+# ---------------------------------------------------------------------------
+# The low-bit value codec: the ATen sequence of the compressor's codec before the
+# fusion (slimcomm/codec.py up to 0.x), with the two orders it left open fixed:
+# the bits-1 sums run in value order on the CPU (index_add_'s order there), and
+# the rows of the mean are added one by one, in row order, from +0.
+# ---------------------------------------------------------------------------
+
+_TINY = 1e-30
+
+
+def _chunk_of(seg_offsets, chunk, device):
+    """(int64 [K] chunk index of every value, number of chunks) of a segment layout."""
+    o = seg_offsets.tolist() if torch.is_tensor(seg_offsets) else list(seg_offsets)
+    ids, base = [], 0
+    for a, b in zip(o[:-1], o[1:]):
+        if b > a:
+            ids.append(torch.arange(b - a, device=device) // chunk + base)
+            base += -(-(b - a) // chunk)
+    chunk_of = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=device)
+    return chunk_of, base
+
+
+def _levels(codes, bits):
+    c = codes.to(torch.float32)
+    if bits == 1:
+        return c.mul_(2.0).sub_(1.0)
+    if bits == 2:
+        return c.div_(1.5).sub_(1.0)
+    L = 2 ** (bits - 1) - 1
+    return c.sub_(L).div_(L)
+
+
+def _pack_codes(codes, bits):
+    per = 8 // bits
+    pad = (-codes.numel()) % per
+    c = torch.nn.functional.pad(codes, (0, pad)).view(-1, per).to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    return (c << shifts).sum(1).to(torch.uint8)
+
+
+def _unpack_codes(packed, numel, bits):
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.flatten(-2)[..., :numel].to(torch.uint8)
+
+
+def quantize_chunks(vals, seg_offsets, chunk, bits, nchunks):
+    chunk_of, n = _chunk_of(seg_offsets, chunk, vals.device)
+    if n != nchunks:
+        raise ValueError(f"nchunks: the layout makes {n} chunks, got {nchunks}")
+    a = vals.abs()
+    if bits == 1:
+        # fp32 sums in value order: index_add_ on the CPU adds sequentially
+        sizes = torch.bincount(chunk_of, minlength=n).to(torch.float32)
+        s = torch.zeros(n, dtype=torch.float32).index_add_(0, chunk_of.cpu(), a.cpu())
+        s = s.to(vals.device).div_(sizes)
+    else:
+        s = torch.zeros(n, dtype=torch.float32, device=vals.device)
+        s.scatter_reduce_(0, chunk_of, a, "amax", include_self=True)
+    scales = s.to(torch.bfloat16)
+    x = vals / scales.float().clamp_min(_TINY)[chunk_of]
+    if bits == 1:
+        codes = (x >= 0).to(torch.float32)
+    else:
+        if bits == 2:
+            y, lo, hi, add = (x + 1.0) * 1.5, 0, 3, 0
+        else:
+            L = 2 ** (bits - 1) - 1
+            y, lo, hi, add = x * L, -L, L, L
+        y = torch.where(torch.isnan(y), torch.full_like(y, lo), y)  # NaN: the lowest code
+        codes = torch.round(y).clamp_(lo, hi).add_(add)
+    codes = codes.to(torch.uint8)
+    own = _levels(codes, bits).mul_(scales.float()[chunk_of])
+    return _pack_codes(codes, bits), scales, vals - own
+
+
+def dequantize_chunks_mean(packed, scales, seg_offsets, chunk, bits, numel, divisor):
+    chunk_of, n = _chunk_of(seg_offsets, chunk, packed.device)
+    if n != scales.shape[1]:
+        raise ValueError(f"scales: the layout makes {n} chunks, got {scales.shape[1]}")
+    values = _levels(_unpack_codes(packed, numel, bits), bits).mul_(scales.float()[:, chunk_of])
+    out = torch.zeros(numel, dtype=torch.float32, device=packed.device)
+    for r in range(packed.shape[0]):
+        out += values[r]
+    return out.div_(divisor)

@@ -22,10 +22,11 @@ from slimcomm.hooks import SlimDPState, slim_dp_hook
 #: ceilings on dispatched ops per bucket (views included), with the fused step ops
 #: (slimcomm.ops.step_*): a compressed step of the hook (shared: 6, local: 12) and of
 #: SlimDPOptimizer.synchronize (12), a core-refresh step (hook 25, optimizer 30: the
-#: cross-rank core agreement), the low-bit path (codec ops, unfused)
+#: cross-rank core agreement), the low-bit path (30 with the fused codec ops
+#: quantize_chunks / dequantize_chunks_mean; 68 unfused)
 BUDGET = 12
 REFRESH_BUDGET = 30
-QUANT_BUDGET = 68
+QUANT_BUDGET = 30
 SIZES = (10, 130)  # parameters per model (one bucket)
 
 
