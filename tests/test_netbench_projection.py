@@ -69,3 +69,21 @@ def test_timed_rates_are_checked(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             netbench.main(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_lm_table_targets_ddp_final_loss_of_the_same_seed():
+    """With seeds, each run's target is ddp's final loss of its seed: ddp reaches it at its last step."""
+    def run(m, seed, losses):
+        r = _lm_run(m, 100, 10.0, losses)
+        r["config"]["seed"] = seed
+        return r
+    by = {"ddp": [run("ddp", 0, [(50, 2.5), (100, 2.0)]), run("ddp", 1, [(50, 2.6), (100, 2.2)])],
+          "slimdp-local": [run("slimdp-local", 0, [(50, 2.1), (100, 1.9)]),
+                           run("slimdp-local", 1, [(50, 2.15), (100, 2.0)])]}
+    md = netbench.markdown_lm({"1gbit": by}, {"1gbit": 950.0}, "h")
+    assert "of the same seed" in md
+    ddp = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| ddp ")).split("|")[1:-1]]
+    slim = [c.strip() for c in next(ln for ln in md.splitlines()
+                                    if ln.startswith("| slimdp-local ")).split("|")[1:-1]]
+    assert ddp[1] == "1.0" and ddp[2] == "1.0, 1.0"        # both seeds reach their own final at step 100
+    assert slim[2] == "1.0, 0.5" and slim[3] == "1.33x"     # seed 1: 2.15 <= 2.2 at step 50

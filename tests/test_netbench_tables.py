@@ -103,13 +103,13 @@ def test_plot_uses_the_shared_median_band_figure(tmp_path, monkeypatch):
 def test_plot_lm_labels_ddp_final_loss(tmp_path, monkeypatch):
     from slimcomm import report
 
-    results = _committed("netbench_gpt_2ranks", ["100mbit"], ["ddp", "slimdp-local"], [None])
+    results = _committed("netbench_gpt_2ranks", ["10gbit"], ["ddp", "slimdp-local"], [0])
     figs = []
     real = report.build_figure
     monkeypatch.setattr(report, "build_figure", lambda *a, **k: figs.append(real(*a, **k)) or figs[-1])
     netbench.plot_lm(results, str(tmp_path / "lm.png"))
     ax_time, ax_bytes = figs[0].axes
-    target = results["100mbit"]["ddp"][0]["final"]["val_loss"]
+    target = results["10gbit"]["ddp"][0]["final"]["val_loss"]
     assert [t.get_text() for t in ax_bytes.get_legend().get_texts()] == [
         "ddp", "slimdp-local", f"ddp's final val loss {target:.3f}"]
-    assert "100mbit per link" in figs[0]._suptitle.get_text()
+    assert "10gbit per link" in figs[0]._suptitle.get_text()
