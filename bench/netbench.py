@@ -485,7 +485,7 @@ def _finish_lm(results, measured, a, argv, train_args, threads, seeds, name) -> 
         f"{'seeds ' + ', '.join(map(str, seeds)) + ' (medians)' if seeds[0] is not None else 'seed %d' % cfg['seed']}.\n"
         f"Method settings: {flags}.\n"
         f"Time = training wall time (evaluation excluded); time to target = the first evaluation at or below "
-        f"ddp's (median) final validation loss. MB = {any_r['bytes_definition']}.\n"
+        f"ddp's final validation loss of the same seed (with several seeds; else ddp's median). MB = {any_r['bytes_definition']}.\n"
         f"Command: `bench/netbench.py {' '.join(argv)} -- {' '.join(train_args)}`\n")
     md = markdown_lm(results, measured, header)
     md_path = os.path.join(a.out_dir, f"{name}.md")
