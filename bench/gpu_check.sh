@@ -8,7 +8,8 @@
 #   env         GPU name, driver, python/torch/CUDA versions, nvcc (OUTDIR/env.log)
 #   build       the extension in place with the machine's own python3 and torch
 #   info        python -m slimcomm.info (the build's CUDA flag)
-#   test_cuda   CPU == CUDA on every op (tests/test_ops_cuda.py, every failure listed),
+#   test_cuda   CPU == CUDA on every op (tests/test_ops_cuda.py, the fused step and codec ops:
+#               tests/test_ops_step_cuda.py, tests/test_ops_codec_cuda.py; every failure listed),
 #               also with the device-side fallbacks forced (tests/test_cuda_fallbacks.py)
 #   host_sync   tests/test_host_sync.py: hook (shared, local), SlimDPOptimizer and
 #               ISTTrainer.synchronize under torch.cuda.set_sync_debug_mode("error")
@@ -180,7 +181,8 @@ if [ "$built" = 1 ]; then
   stage info 30 "$PY" -m slimcomm.info
   if [ "$DEVICE" = cuda ]; then
     # CPU == CUDA on every op, every failure listed (not -x: this is the verification).
-    stage test_cuda 120 "$PY" -m pytest -q -p no:cacheprovider -rfE --maxfail=30 tests/test_ops_cuda.py tests/test_cuda_fallbacks.py
+    stage test_cuda 150 "$PY" -m pytest -q -p no:cacheprovider -rfE --maxfail=30 tests/test_ops_cuda.py \
+      tests/test_ops_step_cuda.py tests/test_ops_codec_cuda.py tests/test_cuda_fallbacks.py
   else
     skip test_cuda "--device cpu"
   fi
@@ -212,7 +214,7 @@ if [ "$built" = 1 ]; then
     stage bench_1e6 15 "$PY" bench/kernels.py --device cpu --sizes 1e6 --densities 0.01 \
       --ops significance_topk,pack --repeats 3 --no-peak --tied "" --out "$OUT/bench-1e6-cpu"
   fi
-  stage test_ops 60 "$PY" -m pytest -x -q -p no:cacheprovider --continue-on-collection-errors $(ls tests/test_ops*.py | grep -v test_ops_cuda.py)
+  stage test_ops 60 "$PY" -m pytest -x -q -p no:cacheprovider --continue-on-collection-errors $(ls tests/test_ops*.py | grep -v '_cuda\.py$')
   if [ "$DEVICE" = cuda ]; then
     stage bench_grid 60 "$PY" bench/kernels.py --device cuda --sizes 1e6,1e7,1e8 \
       --densities 0.001,0.1 --repeats 7 --out "$OUT/bench-grid-fp32"
