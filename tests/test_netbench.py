@@ -85,7 +85,7 @@ def test_netbench_tiny_job(tmp_path):
     md = (out / "tiny.md").read_text()
     assert "### 30mbit per link" in md and "| ddp" in md and "| fp16" in md
     assert (out / "tiny.png").read_bytes()[:4] == b"\x89PNG"
-    ddp = json.loads((out / "tiny" / "10mbit_ddp.json").read_text())
+    ddp = json.loads((out / "tiny" / "30mbit_ddp.json").read_text())
     fp16 = json.loads((out / "tiny" / "30mbit_fp16.json").read_text())
     assert ddp["final"]["test_acc"] > 0.5 and fp16["final"]["test_acc"] > 0.5
     # the link is the bottleneck: ddp sends twice fp16's bytes and takes clearly longer per step
