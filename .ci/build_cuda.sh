@@ -88,7 +88,8 @@ print("build_cuda: build info", info)
 assert info["cuda"] is True, "the extension was built without CUDA kernels"
 ops = ["significance_topk", "significance_topk_segmented", "explore_sample",
        "explore_sample_segmented", "pack", "unpack", "gather_slices", "scatter_slices",
-       "gather_slices_multi", "scatter_slices_multi"]
+       "gather_slices_multi", "scatter_slices_multi", "step_encode", "step_commit",
+       "step_commit_local", "step_undo", "quantize_chunks", "dequantize_chunks_mean"]
 for name in ops:
     table = torch._C._dispatch_dump(f"slimcomm::{name}")
     cuda_lines = [l for l in table.splitlines() if l.startswith("CUDA")]
