@@ -503,7 +503,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = p.parse_args(argv)
     paths = []
     for x in a.runs:
-        paths += sorted(glob.glob(os.path.join(x, "*.json"))) if os.path.isdir(x) else [x]
+        # a timed run's figures are already in its projected result (``<rate>_<method>.json``)
+        paths += (sorted(q for q in glob.glob(os.path.join(x, "*.json")) if not q.endswith("_timed.json"))
+                  if os.path.isdir(x) else [x])
     if not paths:
         p.error(f"--runs {a.runs}: no result JSONs found")
     runs = load_runs(paths)

@@ -65,6 +65,28 @@ def parse_rate(s: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+def parse_timed_steps(spec: str) -> Dict[Optional[str], int]:
+    """``"120,ddp=24"`` -> ``{None: 120, "ddp": 24}`` (None: every other method; default 120).
+
+    Raises:
+        ValueError: an entry that is not a positive integer, a repeated method or default."""
+    out: Dict[Optional[str], int] = {}
+    for item in spec.split(","):
+        key, _, val = item.strip().rpartition("=")
+        key = key.strip() or None
+        try:
+            n = int(val)
+        except ValueError:
+            raise ValueError(f"{item!r} is not N or METHOD=N") from None
+        if n < 1:
+            raise ValueError(f"steps must be >= 1, got {n} in {item!r}")
+        if key in out:
+            raise ValueError(f"{key or 'the default'} given twice")
+        out[key] = n
+    out.setdefault(None, 120)
+    return out
+
+
 def _ip(*cmd: str) -> None:
     r = subprocess.run(list(cmd), capture_output=True, text=True)
     if r.returncode != 0:
@@ -296,9 +318,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="rates at which every run trains only --timed-steps steps to measure its ms/step; its "
                         "table row is the full run of the same method and seed at the first other rate with "
                         "times rescaled to that ms/step, marked projected (bench/netbench_projection.py)")
-    p.add_argument("--timed-steps", type=int, default=120,
-                   help="training steps of a timed run (a multiple of the local-step methods' H keeps their "
-                        "synchronisations in proportion)")
+    p.add_argument("--timed-steps", default="120", metavar="N[,METHOD=N...]",
+                   help="training steps of a timed run, optionally per method label, e.g. 120,ddp=24,fp16=24 "
+                        "(a multiple of the local-step methods' H keeps their synchronisations in proportion; "
+                        "methods without periodic steps, such as ddp, need only a few steps)")
     p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
                    help="extra slimcomm.train flags for one method, e.g. slimdp='--momentum 0 --lr 0.2' "
                         "(repeatable; shown in the table)")
@@ -328,8 +351,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--timed-rates: at least one rate of --rates must run in full (the trajectory)")
     if timed_rates & stop_rates:
         p.error(f"--timed-rates and --stop-at-target share {sorted(timed_rates & stop_rates)}")
-    if a.timed_steps < 1:
-        p.error(f"--timed-steps must be >= 1, got {a.timed_steps}")
+    try:
+        timed_steps = parse_timed_steps(a.timed_steps)
+    except ValueError as e:
+        p.error(f"--timed-steps {a.timed_steps!r}: {e}")
     full_rates = [r for r in rates if r not in timed_rates]
     traj_rate = full_rates[0]
     rates = full_rates + [r for r in rates if r in timed_rates]  # trajectories first
@@ -367,6 +392,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if m not in methods:
             p.error(f"--method-args {item!r}: {m} is not in --methods")
         per_method[m] = shlex.split(rest)
+    unknown = sorted(set(timed_steps) - {None} - set(methods))
+    if unknown:
+        p.error(f"--timed-steps: {unknown} not in --methods")
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.world_size)
     name = a.name or f"netbench_{a.world_size}ranks"
     json_dir = os.path.join(a.out_dir, name)
@@ -396,7 +424,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         path = os.path.join(json_dir, f"{rate}_{m}{suffix}.json")
                         timed = rate in timed_rates
                         if timed:
-                            extra = timed_args(extra, a.timed_steps)
+                            n_timed = timed_steps.get(m, timed_steps[None])
+                            extra = timed_args(extra, n_timed)
                             path = path[:-5] + "_timed.json"
                         r = _reusable(path, extra) if a.reuse else None
                         if r is None:
@@ -415,7 +444,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             r["link"] = {"rate": rate, "measured_mbit": round(measured[rate], 1)}
                             path = path[:-len("_timed.json")] + ".json"
                             print(f"[netbench] {rate} {m}{suffix}: {r['projected']['ms_per_step']:.0f} ms/step "
-                                  f"over {a.timed_steps} timed steps; trajectory from {traj_rate}", flush=True)
+                                  f"over {n_timed} timed steps; trajectory from {traj_rate}", flush=True)
                         with open(path, "w") as f:
                             json.dump(r, f, indent=1)
                         results[rate][m].append(r)

@@ -72,7 +72,11 @@ def _rate_title(rate: str, by_method: Dict[str, List[Dict]], measured: Dict[str,
     title = f"\n### {rate} per link (measured {measured[rate]:.0f} Mbit/s TCP)\n"
     proj = [r["projected"] for runs in by_method.values() for r in runs if r.get("projected")]
     if proj:
-        title += (f"\n**Projected**: every run here trained {proj[0]['timed_steps']} timed steps on this link; "
+        steps = {m: runs[0]["projected"]["timed_steps"] for m, runs in by_method.items() if runs[0].get("projected")}
+        common = max(set(steps.values()), key=list(steps.values()).count)
+        others = ", ".join(f"{m} {n}" for m, n in steps.items() if n != common)
+        title += (f"\n**Projected**: every run here trained {common} timed steps on this link"
+                  f"{' (' + others + ')' if others else ''}; "
                   f"times = steps x its measured ms/step, losses/accuracies and bytes from the full run of the "
                   f"same method and seed at {proj[0]['trajectory_rate']} (same arithmetic, same trajectory).\n")
     return title

@@ -87,3 +87,20 @@ def test_lm_table_targets_ddp_final_loss_of_the_same_seed():
                                     if ln.startswith("| slimdp-local ")).split("|")[1:-1]]
     assert ddp[1] == "1.0" and ddp[2] == "1.0, 1.0"        # both seeds reach their own final at step 100
     assert slim[2] == "1.0, 0.5" and slim[3] == "1.33x"     # seed 1: 2.15 <= 2.2 at step 50
+
+
+def test_timed_steps_per_method():
+    assert netbench.parse_timed_steps("120") == {None: 120}
+    assert netbench.parse_timed_steps("ddp=24") == {None: 120, "ddp": 24}
+    assert netbench.parse_timed_steps("60, ddp=24,fp16=12") == {None: 60, "ddp": 24, "fp16": 12}
+    for bad, msg in [("0", ">= 1"), ("ddp=x", "not N or METHOD=N"), ("60,60", "twice"), ("ddp=3,ddp=4", "twice")]:
+        with pytest.raises(ValueError, match=msg):
+            netbench.parse_timed_steps(bad)
+
+
+def test_timed_steps_name_known_methods(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    with pytest.raises(SystemExit):
+        netbench.main(["--rates", "1gbit,100mbit", "--timed-rates", "100mbit", "--methods", "ddp",
+                       "--timed-steps", "120,fp16=24"])
+    assert "['fp16'] not in --methods" in capsys.readouterr().err
