@@ -19,7 +19,8 @@ time), and ``s(W)`` the slow-down of compute when ``W`` ranks share the
 machine's cores (``max(1, W * threads / cores)`` relative to 2 ranks: on the
 2-core benchmark machine 8 ranks each get a quarter core; a property of the
 emulation, not of the method). The per-rank payload does not depend on ``W``
-except for IST, whose slices shrink as ``1/W``.
+except for IST, whose subnet (payload and compute) shrinks with ``W``
+(:func:`subnet_scale`).
 
 The fit uses 2-rank data only; :func:`validate` then compares the predicted
 4- and 8-rank step times with the measured ones, and :func:`project` applies
@@ -159,6 +160,8 @@ class Run:
     collectives: float       # collectives per step (amortised over local steps)
     threads: int
     num_params: int
+    #: IST's MLP ``(in_features, hidden widths, classes)``: its subnet, so its payload and compute, shrinks with W
+    mlp: Optional[Tuple[int, Tuple[int, ...], int]] = None
 
 
 def collectives_per_step(run: Dict) -> float:
@@ -202,15 +205,34 @@ def load_runs(paths: Iterable[str]) -> List[Run]:
             collectives=collectives_per_step(rs[0]),
             threads=int(rs[0]["config"].get("threads") or 1),
             num_params=int(rs[0]["model"]["num_params"]),
+            mlp=((int(rs[0]["dataset"]["features"]), tuple(int(h) for h in rs[0]["config"]["hidden"]), 10)
+                 if rs[0]["method"] == "ist" else None),
         ))
     return out
 
 
+def ist_subnet_params(in_features: int, hidden: Sequence[int], classes: int, world_size: int) -> float:
+    """Parameters of one rank's IST subnet of an MLP (Yuan et al., PVLDB 2022, section 3): every hidden
+    layer keeps ``1/W`` of its neurons, so the first and last Linear shrink as ``1/W`` and the hidden-to-
+    hidden ones as ``1/W**2`` (biases of hidden layers included; the last bias is shared, not counted)."""
+    widths = [float(in_features)] + [h / world_size for h in hidden] + [float(classes)]
+    return sum(widths[i] * widths[i + 1] for i in range(len(widths) - 1)) + sum(widths[1:-1])
+
+
+def subnet_scale(run: Run, world_size: int) -> float:
+    """Factor by which a rank's payload and compute change from ``run.world_size`` to ``world_size`` ranks:
+    1 for data-parallel methods, the subnet-size ratio for IST (:func:`ist_subnet_params`)."""
+    if run.method.split("@")[0] != "ist" or run.mlp is None:
+        return 1.0
+    d, hidden, c = run.mlp
+    return ist_subnet_params(d, hidden, c, world_size) / ist_subnet_params(d, hidden, c, run.world_size)
+
+
 def payload_at(run: Run, world_size: int) -> float:
-    """Per-rank payload bytes per step at ``world_size`` ranks (IST's slices shrink as 1/W)."""
-    if run.method.split("@")[0] == "ist":
+    """Per-rank payload bytes per step at ``world_size`` ranks (IST's slices shrink with the subnet)."""
+    if run.method.split("@")[0] == "ist" and run.mlp is None:
         return run.payload * run.world_size / world_size
-    return run.payload
+    return run.payload * subnet_scale(run, world_size)
 
 
 def compute_slowdown(world_size: int, threads: int, cores: int, ref_world_size: int = 2) -> float:
@@ -230,7 +252,8 @@ class Fitted:
         m = run_2.method
         kind = PATTERN[m.split("@")[0]]
         comm = self.links[rate].collective_s(kind, payload_at(run_2, world_size), world_size, run_2.collectives)
-        return self.compute_s[m] * compute_slowdown(world_size, run_2.threads, self.cores) + comm
+        return (self.compute_s[m] * subnet_scale(run_2, world_size)
+                * compute_slowdown(world_size, run_2.threads, self.cores) + comm)
 
 
 def fit(runs: Sequence[Run], cores: int, alpha_s: float = 0.0) -> Fitted:
@@ -309,16 +332,17 @@ def _rate_bps(s: str) -> float:
 PROJECTION_ASSUMPTIONS = {
     "link": "ring collectives at the stated rate per rank, goodput 0.95 x rate, alpha 50 us per hop "
             "(no hierarchy, no tree: NCCL's tree all-reduce would cut the latency term to O(log W))",
-    "compute 5.8M": "each measured method's fitted compute + selection time of the MLP (one CPU core per rank; "
-                    "0.06 s + 0.007 s selection for methods not measured)",
+    "compute 5.8M": "each measured method's fitted compute + selection time of the MLP at its measured batch "
+                    "(one CPU core per rank; 0.06 s + 0.007 s selection for methods not measured)",
     "compute 1B": "0.15 s/step (8192 tokens per rank per step, 6 x params x tokens FLOPs at 330 TFLOP/s)",
     "selection": "slimdp/topk: 3 passes over the fp32 gradient at 3 TB/s (GPU) per step; on the 5.8M model "
                  "the measured CPU overhead (1.11x dense step at loopback) instead",
     "scope": "time per step only: the methods need different numbers of steps to reach a given loss "
-             "(measured at 2 ranks only; see the netbench tables), so a faster step is not a faster run",
+             "(measured at 2, 4 and 8 ranks only; see the netbench tables), so a faster step is not a faster run",
     "payloads": "ddp fp32 4P bytes, fp16 2P, powersgd rank 4 at the 2-rank measured ratio 1.1% of fp32, "
                 "slimdp 2% of P in bf16 (+ flags), topk 2% of P as (int64 index + bf16 value) all-gathered, "
-                "diloco fp32 every 24 steps, slimdp-local 2-bit every 3 steps all-gathered",
+                "diloco fp32 every 24 steps, slimdp-local 2-bit every 3 steps all-gathered, sparseloco 64 of every 4096 "
+                "values (2-bit values + indices, 0.155 bytes per parameter as measured) every 15 steps all-gathered",
 }
 
 
@@ -341,12 +365,14 @@ def project_step_s(method: str, params: float, world_size: int, rate_bps: float,
         return compute_s + link.allreduce_s(4 * params, w) / 24
     if method == "slimdp-local":
         return compute_s + selection_s / 3 + link.allgather_s(params / 4, w) / 3
+    if method == "sparseloco":
+        return compute_s + selection_s / 15 + link.allgather_s(0.155 * params, w) / 15
     raise ValueError(f"method: no projection for {method!r}")
 
 
 def project(world_sizes=(16, 64, 256, 1024), rates=("100mbit", "1gbit", "10gbit", "100gbit"),
             models=(("5.8M", 5.8e6, 0.06, 0.007), ("1B", 1e9, 0.15, 3 * 4e9 / 3e12)),
-            methods=("ddp", "fp16", "powersgd", "topk", "slimdp", "diloco", "slimdp-local"),
+            methods=("ddp", "fp16", "powersgd", "topk", "slimdp", "diloco", "sparseloco", "slimdp-local"),
             fitted: Optional["Fitted"] = None) -> List[Dict]:
     """Projected step times, one row per (model, rate, world size): every method's seconds per
     step, the fastest method and slimdp's speed-up over ddp and over fp16 (on paper).

@@ -33,8 +33,8 @@ gpt() {
 }
 
 mlp 2 29610
-mlp 8 29630 --method-args ist='--lr 0.01'   # IST diverges at 8 ranks with its default lr 0.05
-mlp 4 29620
+mlp 8 29630 --method-args ist='--lr 0.01'   # IST diverges (NaN) at 4 and 8 ranks with its default lr 0.05
+mlp 4 29620 --method-args ist='--lr 0.01'   # and at 4 ranks (NaN at step 21)
 gpt 8 29650
 gpt 4 29640
 "$PY" bench/costmodel.py --runs "$OUT/mlp_2ranks" "$OUT/mlp_4ranks" "$OUT/mlp_8ranks" --cores "$(nproc)" \

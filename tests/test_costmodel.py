@@ -118,3 +118,19 @@ def test_projection_table_is_labelled_and_complete():
     assert t1k["times"]["slimdp"] / t16["times"]["slimdp"] < 1.2
     md = cm.markdown(cm.fit(_synthetic_runs()[0], 2), [], [], rows)
     assert "on paper, not measured" in md and "Assumptions" in md
+
+
+def test_ist_subnet_scales_payload_and_compute():
+    """An IST subnet keeps 1/W of every hidden layer: 784-2048-2048-10 has 1,863,680 parameters per
+    rank at 2 ranks (what netbench measured: 0.745 MB of fp32 per step every 10 local steps) and
+    1/W**2 of the hidden-to-hidden layer, so the factor from 2 to 8 ranks is below 1/4."""
+    assert cm.ist_subnet_params(784, [2048, 2048], 10, 2) == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10
+    assert cm.ist_subnet_params(784, [2048], 10, 1) == 784 * 2048 + 2048 + 2048 * 10
+    r = cm.Run("ist", 2, "1gbit", 0.1, 1e6, None, 0.1, 1, 5_824_522, mlp=(784, (2048, 2048), 10))
+    f8 = cm.ist_subnet_params(784, [2048, 2048], 10, 8) / cm.ist_subnet_params(784, [2048, 2048], 10, 2)
+    assert cm.subnet_scale(r, 8) == pytest.approx(f8) and f8 < 0.25
+    assert cm.payload_at(r, 8) == pytest.approx(1e6 * f8)
+    fitted = cm.Fitted(links={"1gbit": cm.LinkModel(0.0, 1e9)}, compute_s={"ist": 0.04}, cores=2)
+    comm = cm.LinkModel(0.0, 1e9).allgather_s(1e6 * f8, 8, 0.1)
+    assert fitted.predict(r, 8, "1gbit") == pytest.approx(0.04 * f8 * 4.0 + comm)
+    assert cm.subnet_scale(cm.Run("slimdp", 2, "1gbit", 0.1, 1e6, None, 1, 1, 10), 8) == 1.0
