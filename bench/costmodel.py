@@ -154,7 +154,7 @@ class Run:
     method: str
     world_size: int
     rate: str
-    step_s: float            # measured training time per step
+    step_s: float            # measured training time per step after any dense warm-up
     payload: float           # steady payload bytes per rank per step
     wire: Optional[float]    # measured steady wire bytes (TX+RX) per rank per step
     collectives: float       # collectives per step (amortised over local steps)
@@ -171,9 +171,13 @@ def collectives_per_step(run: Dict) -> float:
     cfg, m = run["config"], run["method"]
     dense = run["dense_bytes_per_step"]
     cap = float(cfg.get("bucket_cap_mb") or 25.0) * 2 ** 20
-    buckets = 1 + max(0, math.ceil((dense - 2 ** 20) / cap))  # DDP's first bucket is 1 MiB
-    if m in ("ddp", "fp16", "slimdp"):
+    # slimcomm.train passes bucket_cap_mb to DDP explicitly, so DDP's first bucket has the same cap
+    # (its 1 MiB first bucket applies only when bucket_cap_mb is left unset)
+    buckets = max(1, math.ceil(dense / cap))
+    if m in ("ddp", "fp16"):
         return float(buckets)
+    if m == "slimdp":  # + the 64-byte core-set all-reduce per bucket at every core refresh
+        return buckets * (1.0 + 1.0 / max(1, cfg.get("core_refresh") or 10))
     if m in ("powersgd", "topk"):
         return 2.0 * buckets
     if m == "ist":
@@ -185,6 +189,7 @@ def load_runs(paths: Iterable[str]) -> List[Run]:
     """netbench result JSONs -> one :class:`Run` per (method label, world size, rate), medians over seeds."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from netbench import steady_bytes_per_step
+    from netbench_projection import steady_ms_per_step
 
     groups: Dict[Tuple[str, int, str], List[Dict]] = {}
     for p in paths:
@@ -199,16 +204,30 @@ def load_runs(paths: Iterable[str]) -> List[Run]:
         wires = [x["wire"] for x in b if x["wire"] is not None]
         out.append(Run(
             method=label, world_size=w, rate=rate,
-            step_s=statistics.median(r["final"]["train_time_s"] / max(1, r["steps"]) for r in rs),
+            step_s=statistics.median((r["projected"]["ms_per_step"] if r.get("projected") else
+                                      steady_ms_per_step(r)) / 1000.0 for r in rs),
             payload=statistics.median(x["payload"] for x in b),
             wire=statistics.median(wires) if wires else None,
             collectives=collectives_per_step(rs[0]),
             threads=int(rs[0]["config"].get("threads") or 1),
             num_params=int(rs[0]["model"]["num_params"]),
-            mlp=((int(rs[0]["dataset"]["features"]), tuple(int(h) for h in rs[0]["config"]["hidden"]), 10)
-                 if rs[0]["method"] == "ist" else None),
+            mlp=(_mlp_shape(rs[0]) if rs[0]["method"] == "ist" else None),
         ))
     return out
+
+
+def _mlp_shape(run: Dict) -> Tuple[int, Tuple[int, ...], int]:
+    """``(in_features, hidden widths, classes)`` of a run's MLP; the classes follow from its parameter
+    count (``slimcomm.train`` records the features, the widths and the count, not the classes)."""
+    d = int(run["dataset"]["features"])
+    hidden = tuple(int(h) for h in run["config"]["hidden"])
+    widths = (d,) + hidden
+    body = sum(widths[i] * widths[i + 1] + widths[i + 1] for i in range(len(widths) - 1))
+    classes, rest = divmod(int(run["model"]["num_params"]) - body, hidden[-1] + 1)
+    if rest or classes < 1:
+        raise ValueError(f"{run['method']} run: {run['model']['num_params']} parameters is not an MLP "
+                         f"{d}-{'-'.join(map(str, hidden))}-C for any number of classes C")
+    return d, hidden, classes
 
 
 def ist_subnet_params(in_features: int, hidden: Sequence[int], classes: int, world_size: int) -> float:
@@ -221,17 +240,20 @@ def ist_subnet_params(in_features: int, hidden: Sequence[int], classes: int, wor
 
 def subnet_scale(run: Run, world_size: int) -> float:
     """Factor by which a rank's payload and compute change from ``run.world_size`` to ``world_size`` ranks:
-    1 for data-parallel methods, the subnet-size ratio for IST (:func:`ist_subnet_params`)."""
-    if run.method.split("@")[0] != "ist" or run.mlp is None:
+    1 for data-parallel methods, the subnet-size ratio for IST (:func:`ist_subnet_params`).
+
+    Raises:
+        ValueError: an IST run without its MLP shape (``run.mlp``)."""
+    if run.method.split("@")[0] != "ist":
         return 1.0
+    if run.mlp is None:
+        raise ValueError(f"run {run.method} at {run.world_size} ranks: IST's scaling needs its MLP shape (Run.mlp)")
     d, hidden, c = run.mlp
     return ist_subnet_params(d, hidden, c, world_size) / ist_subnet_params(d, hidden, c, run.world_size)
 
 
 def payload_at(run: Run, world_size: int) -> float:
     """Per-rank payload bytes per step at ``world_size`` ranks (IST's slices shrink with the subnet)."""
-    if run.method.split("@")[0] == "ist" and run.mlp is None:
-        return run.payload * run.world_size / world_size
     return run.payload * subnet_scale(run, world_size)
 
 
@@ -247,6 +269,7 @@ class Fitted:
     links: Dict[str, LinkModel]      # rate -> link model
     compute_s: Dict[str, float]      # method -> c_m (seconds per step at 2 ranks)
     cores: int
+    link_source: str = "goodput fitted with the compute times from the 2-rank step times"
 
     def predict(self, run_2: Run, world_size: int, rate: str) -> float:
         m = run_2.method
@@ -256,8 +279,15 @@ class Fitted:
                 * compute_slowdown(world_size, run_2.threads, self.cores) + comm)
 
 
-def fit(runs: Sequence[Run], cores: int, alpha_s: float = 0.0) -> Fitted:
+def fit(runs: Sequence[Run], cores: int, alpha_s: float = 0.0,
+        links: Optional[Dict[str, LinkModel]] = None) -> Fitted:
     """Fit every method's compute time and the links' efficiency from the 2-rank runs only.
+
+    With ``links`` (rate -> :class:`LinkModel` measured on 2 ranks, e.g. by
+    ``bench/collbench.py``, :func:`load_links`) the links are taken as given and
+    only ``c_m`` is fitted: the mean over the method's 2-rank runs of the step
+    time minus the modelled collective time (one rate per method suffices).
+    Otherwise:
 
     Linear least squares over all 2-rank (method, rate) runs of
 
@@ -280,6 +310,19 @@ def fit(runs: Sequence[Run], cores: int, alpha_s: float = 0.0) -> Fitted:
     if not two:
         raise ValueError("runs: no 2-rank runs to fit on")
     methods = sorted({r.method for r in two})
+    if links is not None:
+        missing = sorted({r.rate for r in runs} - set(links), key=_rate_bps)
+        if missing:
+            raise ValueError(f"links: no measured link model for rate(s) {missing} (have {sorted(links)})")
+        compute = {}
+        for m in methods:
+            rs = [r for r in two if r.method == m]
+            compute[m] = max(0.0, statistics.fmean(
+                r.step_s - links[r.rate].collective_s(PATTERN[m.split("@")[0]], r.payload, 2, r.collectives)
+                for r in rs))
+        return Fitted(links={rate: links[rate] for rate in sorted({r.rate for r in runs}, key=_rate_bps)},
+                      compute_s=compute, cores=cores,
+                      link_source="alpha and goodput measured on 2-rank gloo collectives (bench/collbench.py)")
     for m in methods:
         n = len({r.rate for r in two if r.method == m})
         if n < 2:
@@ -301,6 +344,23 @@ def fit(runs: Sequence[Run], cores: int, alpha_s: float = 0.0) -> Fitted:
     links = {rate: LinkModel(alpha_s, _rate_bps(rate) / inv_eta) for rate in rates}
     compute = {m: max(0.0, float(c)) for m, c in zip(methods, sol[:-1])}
     return Fitted(links=links, compute_s=compute, cores=cores)
+
+
+def load_links(path: str, gap_ms: Optional[float] = None) -> Dict[str, LinkModel]:
+    """Link models (rate -> :class:`LinkModel`) from a ``bench/collbench.py`` JSON: the fit on 2-rank
+    collective timings with idle gap ``gap_ms`` before every call (default: the largest gap measured,
+    the closest to a training step's compute between collectives).
+
+    Raises:
+        ValueError: the file has no fit for ``gap_ms``."""
+    with open(path) as f:
+        fits = json.load(f)["fits"].values()
+    gaps = sorted({f["gap_ms"] for f in fits})
+    gap = gaps[-1] if gap_ms is None else gap_ms
+    out = {f["rate"]: LinkModel(f["alpha_s"], f["goodput_bps"]) for f in fits if f["gap_ms"] == gap}
+    if not out:
+        raise ValueError(f"--links-gap-ms {gap_ms:g}: {path} has fits for gaps {gaps} ms only")
+    return out
 
 
 def validate(fitted: Fitted, runs: Sequence[Run]) -> List[Dict]:
@@ -442,6 +502,7 @@ def markdown(fitted: Fitted, runs: Sequence[Run], checks: Sequence[Dict], proj: 
         out.append("## Cost model: not fitted (needs 2-rank runs at two or more rates per method)\n")
     else:
         out.append("## Cost model: fitted on 2 ranks\n")
+        out.append(f"Links: {fitted.link_source}.\n")
         out.append(tabulate([[rate, f"{1e6 * lm.alpha_s:.0f}", f"{lm.goodput_bps / 1e6:.1f}",
                           f"{lm.goodput_bps / _rate_bps(rate):.2f}"] for rate, lm in fitted.links.items()],
                             headers=["rate", "alpha (us/hop)", "goodput (Mbit/s)", "eta"], tablefmt="github"))
@@ -523,6 +584,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="CPU cores the benchmark ranks shared (compute slow-down with more ranks)")
     p.add_argument("--alpha-us", type=float, default=0.0,
                    help="per-hop latency of the links in microseconds (not identifiable from 2-rank step times)")
+    p.add_argument("--links", default=None, metavar="COLLBENCH_JSON",
+                   help="measured link models (bench/collbench.py output) instead of fitting the goodput "
+                        "from step times (then --alpha-us is ignored)")
+    p.add_argument("--links-gap-ms", type=float, default=None,
+                   help="which idle gap's link fit to use from --links (default: the largest)")
     p.add_argument("--note", default="", help="a line printed above the tables and the plot (e.g. the setting)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "costmodel"),
                    help="output base path (writes BASE.md and BASE.png)")
@@ -536,7 +602,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--runs {a.runs}: no result JSONs found")
     runs = load_runs(paths)
     try:
-        fitted = fit(runs, a.cores, a.alpha_us * 1e-6)
+        links = load_links(a.links, a.links_gap_ms) if a.links else None
+    except (OSError, ValueError, KeyError) as e:
+        p.error(f"--links {a.links}: {e}")
+    try:
+        fitted = fit(runs, a.cores, a.alpha_us * 1e-6, links=links)
     except ValueError as e:  # e.g. bytes-only sweeps at one rate: report the bytes, no model
         print(f"[costmodel] no step-time fit: {e}", file=sys.stderr)
         fitted = None

@@ -77,7 +77,8 @@ def _rate_title(rate: str, by_method: Dict[str, List[Dict]], measured: Dict[str,
         others = ", ".join(f"{m} {n}" for m, n in steps.items() if n != common)
         title += (f"\n**Projected**: every run here trained {common} timed steps on this link"
                   f"{' (' + others + ')' if others else ''}; "
-                  f"times = steps x its measured ms/step, losses/accuracies and bytes from the full run of the "
+                  f"times = its measured time up to the first evaluation past the start-up (dense warm-up "
+                  f"steps, first connections), then steps x its steady measured ms/step, losses/accuracies and bytes from the full run of the "
                   f"same method and seed at {proj[0]['trajectory_rate']} (same arithmetic, same trajectory).\n")
     return title
 

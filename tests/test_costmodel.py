@@ -56,10 +56,11 @@ def _synthetic_runs(eta=0.9, alpha=0.0, cores=2):
     runs = []
     for m in compute:
         for rate in ("100mbit", "1gbit"):
-            two = cm.Run(m, 2, rate, 0.0, payload[m], None, colls[m], 1, 5_824_522)
+            mlp = (784, (2048, 2048), 10) if m == "ist" else None
+            two = cm.Run(m, 2, rate, 0.0, payload[m], None, colls[m], 1, 5_824_522, mlp=mlp)
             for w in (2, 4, 8):
                 t = fitted.predict(two, w, rate)
-                runs.append(cm.Run(m, w, rate, t, cm.payload_at(two, w), None, colls[m], 1, 5_824_522))
+                runs.append(cm.Run(m, w, rate, t, cm.payload_at(two, w), None, colls[m], 1, 5_824_522, mlp=mlp))
     return runs, fitted
 
 
@@ -98,9 +99,7 @@ def test_compute_slowdown_of_shared_cores():
     assert cm.compute_slowdown(2, 1, cores=2) == 1.0
     assert cm.compute_slowdown(8, 1, cores=2) == 4.0
     assert cm.compute_slowdown(8, 1, cores=16) == 1.0
-    # IST's slice shrinks as 1/W, other payloads do not change with the world size
-    r = cm.Run("ist", 2, "1gbit", 0.1, 1e6, None, 0.1, 1, 10)
-    assert cm.payload_at(r, 8) == pytest.approx(0.25e6)
+    # data-parallel payloads do not change with the world size (IST's: test_ist_subnet_scales_...)
     assert cm.payload_at(cm.Run("slimdp", 2, "1gbit", 0.1, 1e6, None, 1, 1, 10), 8) == 1e6
 
 
@@ -134,3 +133,22 @@ def test_ist_subnet_scales_payload_and_compute():
     comm = cm.LinkModel(0.0, 1e9).allgather_s(1e6 * f8, 8, 0.1)
     assert fitted.predict(r, 8, "1gbit") == pytest.approx(0.04 * f8 * 4.0 + comm)
     assert cm.subnet_scale(cm.Run("slimdp", 2, "1gbit", 0.1, 1e6, None, 1, 1, 10), 8) == 1.0
+    with pytest.raises(ValueError, match="MLP shape"):
+        cm.subnet_scale(cm.Run("ist", 2, "1gbit", 0.1, 1e6, None, 0.1, 1, 10), 8)
+    # the classes follow from the parameter count
+    run = {"method": "ist", "dataset": {"features": 784}, "config": {"hidden": [2048, 2048]},
+           "model": {"num_params": 5_824_522}}
+    assert cm._mlp_shape(run) == (784, (2048, 2048), 10)
+    with pytest.raises(ValueError, match="not an MLP"):
+        cm._mlp_shape(dict(run, model={"num_params": 5_824_523}))
+
+
+def test_step_fit_with_measured_links_recovers_compute_and_refuses_missing_rates():
+    runs, truth = _synthetic_runs(alpha=2e-3)
+    got = cm.fit(runs, cores=2, links=truth.links)
+    for m, c in truth.compute_s.items():
+        assert got.compute_s[m] == pytest.approx(c, rel=1e-9, abs=1e-12)
+    assert "collbench" in got.link_source
+    assert max(abs(c["error"]) for c in cm.validate(got, runs)) < 1e-9
+    with pytest.raises(ValueError, match="no measured link model"):
+        cm.fit(runs, cores=2, links={"1gbit": truth.links["1gbit"]})

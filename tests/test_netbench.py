@@ -164,3 +164,25 @@ def test_netbench_timed_rate_projects_the_trajectory(tmp_path):
     ddp_fast = json.loads((out / "proj" / "1gbit_ddp.json").read_text())
     # 10 Mbit/s is the bottleneck for ddp's dense gradients
     assert ddp["projected"]["ms_per_step"] > 1.5 * 1000 * ddp_fast["final"]["train_time_s"] / 24
+
+
+def test_collbench_through_the_emulated_link(tmp_path):
+    """bench/collbench.py end to end: 2 ranks through a tbf link, both kinds, the 2-rank fit written,
+    namespaces removed."""
+    import collbench
+
+    out = tmp_path / "cb"
+    assert collbench.main(["--rates", "200mbit", "--world-sizes", "2", "--sizes", "16384,1048576",
+                           "--gaps-ms", "0", "--repeats", "2", "--port", "29741", "--out", str(out)]) == 0
+    doc = json.loads((tmp_path / "cb.json").read_text())
+    (row,) = doc["rows"]
+    assert [(t["kind"], t["bytes"]) for t in row["timings"]] == [
+        ("allreduce", 16384), ("allreduce", 1048576), ("allgather", 16384), ("allgather", 1048576)]
+    # 1 MiB all-reduce on 2 ranks moves 1 MiB each way: at least 8 Mbit / 200 Mbit/s = 42 ms
+    big = next(t for t in row["timings"] if t["kind"] == "allreduce" and t["bytes"] == 1048576)
+    assert big["median_s"] > 0.035, big
+    f = doc["fits"]["200mbit@0ms"]
+    assert 100e6 < f["goodput_bps"] < 210e6, f
+    assert "200mbit, idle gap 0 ms" in (tmp_path / "cb.md").read_text()
+    # the namespaces carry this process's id (EmulatedNetwork); other jobs may have their own meanwhile
+    assert not any(n.startswith(f"scb{os.getpid()}") for n in _netns_names())

@@ -104,3 +104,64 @@ def test_timed_steps_name_known_methods(monkeypatch, capsys):
         netbench.main(["--rates", "1gbit,100mbit", "--timed-rates", "100mbit", "--methods", "ddp",
                        "--timed-steps", "120,fp16=24"])
     assert "['fp16'] not in --methods" in capsys.readouterr().err
+
+
+def _warm_run(method, steps, warm_s, ms, warmup=2, evals=(20, 40, 60), cfg=None):
+    """A run whose first ``warmup`` steps took ``warm_s`` seconds each, later ones ``ms``."""
+    def t(s):
+        return min(s, warmup) * warm_s + max(0, s - warmup) * ms / 1000
+    return {"method": method, "world_size": 8, "steps": steps, "config": cfg or {"warmup_steps": warmup},
+            "evals": [{"step": s, "train_time_s": t(s), "test_acc": 0.8} for s in evals],
+            "final": {"train_time_s": t(steps), "test_acc": 0.8, "bytes_sent_per_rank": 1},
+            "time_to_target": {"step": 180, "train_time_s": t(180)}}
+
+
+def test_dense_warmup_is_counted_once_not_at_the_mean_rate():
+    """slimdp's 2 dense warm-up steps (4 s each at 100 Mbit/s, 8 ranks) inside a 120-step timed run:
+    the projection charges them once and every later step at the steady 380 ms, as a full run would."""
+    from netbench_projection import dense_warmup_steps, steady_ms_per_step
+
+    timed = _warm_run("slimdp", 120, 4.0, 380.0, evals=(20, 40, 60, 80, 100, 120))
+    traj = _warm_run("slimdp", 468, 0.5, 300.0, evals=(20, 180, 468))
+    assert dense_warmup_steps(timed) == 2 and steady_ms_per_step(timed) == pytest.approx(380.0)
+    p = project_run(traj, timed, "1gbit")
+    assert p["projected"]["ms_per_step"] == pytest.approx(380.0)
+    assert p["time_to_target"]["train_time_s"] == pytest.approx(2 * 4.0 + 178 * 0.380)
+    assert p["final"]["train_time_s"] == pytest.approx(2 * 4.0 + 466 * 0.380)
+    # the mean over the timed run would have charged the warm-up to all 180 steps
+    mean = timed["final"]["train_time_s"] / 120
+    assert 180 * mean == pytest.approx(79.26) and 180 * mean - p["time_to_target"]["train_time_s"] > 3.5
+    # methods without a dense warm-up keep the timed run's mean rate; so does a run without an evaluation past it
+    for run in (_warm_run("diloco", 120, 0.2, 0.2 * 1000, cfg={}),
+                _warm_run("slimdp", 120, 4.0, 380.0, evals=(120,))):
+        assert steady_ms_per_step(run) == pytest.approx(1000 * run["final"]["train_time_s"] / 120)
+    assert dense_warmup_steps({"method": "powersgd", "config": {"powersgd_start_iter": 3}}) == 3
+    assert dense_warmup_steps({"method": "ddp", "config": {"warmup_steps": 2}}) == 0
+
+
+def test_steady_rate_of_a_local_step_method_counts_its_synchronisations():
+    """DiLoCo-like: 200 ms local steps, a 2.4 s synchronisation every 24 steps, 3 s of start-up in the
+    first 20 steps; evaluations every 20 steps hold 1 or 0 synchronisations each, so no single window
+    is representative, the regression on (steps, synchronisations) is: 200 + 2400 / 24 ms."""
+    from netbench_projection import steady_ms_per_step, sync_period
+
+    def t(s):
+        return 3.0 * min(s, 20) / 20 + 0.2 * s + 2.4 * (s // 24)
+    run = {"method": "diloco", "world_size": 8, "steps": 120, "config": {"sync_every": 24},
+           "evals": [{"step": s, "train_time_s": t(s)} for s in (20, 40, 60, 80, 100, 120)],
+           "final": {"train_time_s": t(120), "bytes_sent_per_rank": 1}}
+    assert sync_period(run) == 24
+    # on its own the timed run cannot separate them (every window (20, k] holds one sync per 20 steps)
+    assert steady_ms_per_step(run) == pytest.approx(1000 * t(120) / 120)
+    # the full run at the fast rate (local steps 200 ms, syncs 0.1 s, evaluations every 20 to 468) can
+    traj = {"method": "diloco", "world_size": 8, "steps": 468, "config": {"sync_every": 24},
+            "evals": [{"step": s, "train_time_s": 0.2 * s + 0.1 * (s // 24)} for s in range(20, 468, 20)],
+            "final": {"train_time_s": 0.2 * 468 + 0.1 * 19}, "time_to_target": {"step": 260, "train_time_s": 0}}
+    assert steady_ms_per_step(traj) == pytest.approx(200 + 100 / 24)
+    p = project_run(traj, run, "1gbit")
+    assert p["projected"]["ms_per_step"] == pytest.approx(300.0)
+    assert p["time_to_target"]["train_time_s"] == pytest.approx(t(20) + 240 * 0.3)
+    # with evaluations that do separate them, the timed run alone gives the same rate
+    sep = dict(run, steps=240, evals=[{"step": s, "train_time_s": t(s)} for s in range(20, 240, 20)],
+               final={"train_time_s": t(240)})
+    assert steady_ms_per_step(sep) == pytest.approx(300.0)
