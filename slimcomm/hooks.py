@@ -93,10 +93,13 @@ class SlimDPState(SlimDPCompressor):
       weights and the global gradient estimate ``G`` every ``core_refresh``
       synchronised steps (the paper's snapshot period). Smaller follows the
       gradient better at the cost of one top-k per bucket per refresh.
-    * ``warmup_steps`` (default 2, at least 2): the first steps are dense
-      all-reduce; ``G`` starts from the dense average. At least 2 because DDP
-      rebuilds its buckets after the first iteration. Raise it (e.g. to the
-      learning-rate warm-up length) when early training is unstable.
+    * ``warmup_steps`` (default 2, at least 1): the first steps are dense
+      all-reduce; ``G`` starts from the dense average. At least 1 so that
+      ``G`` is known before the first core set is chosen; the state is kept
+      per parameter, so DDP's rebuild of its buckets after the first
+      iteration carries ``G`` over to the new buckets and 1 suffices. Raise
+      it (e.g. to the learning-rate warm-up length) when early training is
+      unstable.
     * ``score`` (default ``"product"``): significance for the core set,
       ``"product"`` = ``|w| * |G|`` (the paper), ``"grad"`` = ``|G|``,
       ``"weight"`` = ``|w|``.
@@ -174,11 +177,11 @@ class SlimDPState(SlimDPCompressor):
     __slots__ = ()
     _KEEP_ALL_ZERO = True          # DDP discards the result of a parameter no rank used
     _VOID_NONFINITE_STEP = True    # a GradScaler skips the whole step
-    _MIN_WARMUP = 2
+    _MIN_WARMUP = 1
     # The hook sends float values (value_dtype); low-bit codes are SlimDPOptimizer's.
     _HYPERPARAMETERS = tuple(h for h in SlimDPCompressor._HYPERPARAMETERS
                              if h not in ("value_bits", "quant_chunk"))
-    _WARMUP_WHY = " (DDP rebuilds buckets after the first iteration)"
+    _WARMUP_WHY = " (G starts from a dense average)"
 
     def __init__(
         self,

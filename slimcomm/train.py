@@ -95,7 +95,10 @@ gradient, and ``opt.step()`` decides what is communicated and when.
 
 Timing: ``train_time_s`` is the wall time spent in training steps (forward,
 backward, communication, optimizer), excluding evaluation; for IST it includes
-the ``synchronize()`` that precedes each evaluation. Time-to-target is the
+the ``synchronize()`` that precedes each evaluation. The clock starts after a
+collective that every rank enters once its model is wrapped (DDP's broadcast
+of rank 0's parameters done), so no rank's start-up is charged to a training
+step. Time-to-target is the
 ``train_time_s`` of the first evaluation whose metric reaches the target:
 test accuracy >= ``--target-acc`` (mlp, cnn) or validation loss <=
 ``--target-loss`` (gpt).
@@ -394,7 +397,16 @@ def _train(rank, world_size, args, device, backend):
         fp = 0
     _agree(err, fp, device)  # collective: every rank gets here, failed or not
 
-    method = _Method(args, task.model, world_size, task.loss_fn, task.total_steps, task.classify)
+    method = None
+    try:
+        method = _Method(args, task.model, world_size, task.loss_fn, task.total_steps, task.classify)
+    except Exception as e:
+        err = e
+    # Collective again: the training clock starts with every rank ready. DDP's constructor
+    # broadcasts rank 0's parameters, and the ranks leave it at different times (at 8 ranks
+    # over 100 Mbit/s, seconds apart); without this the wait lands in the first
+    # synchronisation and is charged to whichever training step holds it.
+    _agree(err, fp, device)
     if rank == 0 and method.sync_optimizer and task.total_steps < (args.sync_every or 1):
         log.warning("%s: --sync-every %d is more than the %d training steps: the ranks never synchronise "
                     "and the outer model stays at its initial weights", args.method, args.sync_every,

@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explore set size / parameter numel (default: 0.01; sparseloco: 0)")
     g.add_argument("--core-refresh", type=_positive_int("--core-refresh"), default=10,
                    help="steps between core set refreshes (slimdp)")
-    g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 2), default=2,
-                   help="dense all-reduce steps first (>= 2)")
+    g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 1), default=2,
+                   help="dense all-reduce steps first (>= 1: G starts from a dense average)")
     g.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="dtype of values on the wire")
 
     g = p.add_argument_group("diloco / sparseloco / slimdp-local (slimcomm.optim.SlimDPOptimizer)")

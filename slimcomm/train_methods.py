@@ -163,7 +163,10 @@ class _Method:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             dev_ids = [model_device(model).index] if args.device == "cuda" else None
-            self.ddp = DDP(model, device_ids=dev_ids, bucket_cap_mb=args.bucket_cap_mb)
+            # gradient_as_bucket_view: the gradients are views into DDP's buckets, which
+            # saves copying every gradient out of its bucket after the synchronisation.
+            self.ddp = DDP(model, device_ids=dev_ids, bucket_cap_mb=args.bucket_cap_mb,
+                           gradient_as_bucket_view=True)
             self.forward_model = self.ddp
             if m == "fp16":
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -233,6 +233,11 @@ def _two_rank_cases(rank, world_size):
     r["no_sync"] = strip(train_ddp(rank, 6, micro=3))
     r["no_ef"] = strip(train_ddp(rank, 6, dict(error_feedback=False)))
     r["score_grad"] = strip(train_ddp(rank, 6, dict(score="grad")))
+    # One dense step: the first sparse step runs on DDP's rebuilt buckets, G carried over.
+    r["warmup1"] = strip(train_ddp(rank, 6, dict(warmup_steps=1, check_agreement_every=1),
+                                   ddp_kw=dict(bucket_cap_mb=0.001)))
+    r["warmup1_cap25"] = strip(train_ddp(rank, 6, dict(warmup_steps=1),
+                                         ddp_kw=dict(bucket_cap_mb=25)))
     r["local_weight"] = strip(train_ddp(rank, 6, dict(index_mode="local", score="weight",
                                                      explore_ratio=0.0)))
     # Layout invariance: one run per DDP configuration, same algorithm.
@@ -494,7 +499,7 @@ def test_explore_rng_offset_distinct_per_step_and_position():
         (dict(core_ratio=1.5), "core_ratio"),
         (dict(explore_ratio=-0.1), "explore_ratio"),
         (dict(core_refresh=0), "core_refresh"),
-        (dict(warmup_steps=1), "warmup_steps"),
+        (dict(warmup_steps=0), "warmup_steps"),
         (dict(score="abs"), "score"),
         (dict(index_mode="global"), "index_mode"),
         (dict(value_dtype=torch.int8), "value_dtype"),
@@ -592,6 +597,8 @@ def test_local_mode_matches_simulation(two):
 @pytest.mark.parametrize("case,cfg", [
     ("no_ef", dict(error_feedback=False)),
     ("score_grad", dict(score="grad")),
+    ("warmup1", dict(warmup_steps=1)),
+    ("warmup1_cap25", dict(warmup_steps=1)),
     ("local_weight", dict(index_mode="local", score="weight", explore_ratio=0.0)),
 ])
 def test_options_match_simulation(two, case, cfg):

@@ -91,6 +91,44 @@ def test_step_encode_matches_reference(bdt, wdt, with_acc, scale, decay, accumul
         _same(a1, a2, "acc")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bdt", DTYPES)
+@pytest.mark.parametrize("pattern", ["random", "zeros_seg", "nonfinite_late", "inf_only"])
+def test_step_encode_flags_across_chunks(bdt, pattern, threads):
+    """The fused accumulate + flags pass splits the buffer into parallel chunks at
+    segment boundaries; a segment spanning several chunks must combine their flags
+    (NaN from any chunk, nonzero from any chunk) exactly like the reference."""
+    rng = np.random.default_rng(5)
+    numels = [70_000, 3, 150_000, 0, 40_000]  # several 32K-element chunks per segment
+    offsets, idx = _layout(numels, rng, frac=0.02)
+    n = int(offsets[-1])
+    buf = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    o = offsets.tolist()
+    if pattern == "zeros_seg":
+        buf[o[2]:o[3]] = 0
+    elif pattern == "nonfinite_late":  # only in the last chunk of the long segment
+        buf[o[3] - 5] = float("nan")
+        buf[o[1] - 1] = float("-inf")
+    elif pattern == "inf_only":
+        buf[o[2]:o[3]] = 0
+        buf[o[2] + 100_000] = float("inf")
+    buf = buf.to(bdt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (w1, a1), (w2, a2) = _encode_both(buf, idx, offsets, 4, torch.float32, True, None, 1.0,
+                                          True, None, rng)
+    finally:
+        torch.set_num_threads(before)
+    _same(w1, w2, "wire")
+    _same(a1, a2, "acc")
+    flags = w1[-len(numels):]
+    if pattern == "zeros_seg":
+        assert flags[2] == 0 and flags[0] == 1
+    if pattern in ("nonfinite_late", "inf_only"):
+        assert torch.isnan(flags[2]) and (pattern == "inf_only" or torch.isnan(flags[0]))
+
+
 def _commit_case(bdt, wdt, pattern, rng, numels=(0, 5, 1, 40, 17, 0, 300)):
     offsets, idx = _layout(list(numels), rng)
     n, k, S = int(offsets[-1]), idx.numel(), len(numels)

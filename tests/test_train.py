@@ -198,7 +198,7 @@ def test_setup_error_on_every_rank(tmp_path):
     (["--rank", "0", "--world-size", "2"], "--master-addr"),
     (["--rank", "2", "--world-size", "2", "--master-addr", "x", "--master-port", "1"], "--rank 2"),
     (["--powersgd-start-iter", "1"], "--powersgd-start-iter"),
-    (["--warmup-steps", "1"], "--warmup-steps"),
+    (["--warmup-steps", "0"], "--warmup-steps"),
     (["--target-acc", "5"], "--target-acc"),
     (["--seed", "99999999999999999999999"], "--seed"),
 ])

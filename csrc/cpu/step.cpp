@@ -22,6 +22,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -100,8 +102,12 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
   at::Tensor wire = at::empty({k + S}, buf.options().dtype(wire_dtype));
   float* acc = has_acc ? acc_opt->data_ptr<float>() : nullptr;
 
-  // 1. acc = buf + error_decay * scale * residual. Only the plain sum is done here; the
-  // other forms run the ATen op the unfused path used, so they round identically.
+  // 1. acc = buf + error_decay * scale * residual. Only the plain sum is done here, in the
+  // same pass as the flags of step 2; the other forms run the ATen op the unfused path
+  // used, so they round identically.
+  // seg_max[s]: max |buf| over segment s, NaN if any value is NaN or inf.
+  std::vector<float> seg_max(static_cast<size_t>(S), 0.f);
+  bool have_max = false;
   if (has_acc && accumulate) {
     at::Tensor acc_t = *acc_opt;
     if (given(scale)) {
@@ -110,14 +116,44 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
       at::add_out(acc_t, buf, *residual, error_decay);
     } else {
       const float* res = residual->data_ptr<float>();
+      std::vector<float> seg_nan(static_cast<size_t>(S), 0.f);
+      std::mutex mu;
       dispatch_value(buf.scalar_type(), [&](auto* tag) {
         using T = std::remove_pointer_t<decltype(tag)>;
         const T* pb = buf.data_ptr<T>();
-        at::parallel_for(0, N, kGrain, [&](int64_t a, int64_t b) {
-          for (int64_t e = a; e < b; ++e) acc[e] = res[e] + static_cast<float>(pb[e]);
+        for_each_segment_range(o, S, N, [&](int64_t s, int64_t lo, int64_t hi) {
+          // Local restrict pointers: through the lambda's captured references the compiler
+          // cannot rule out that a store to acc changes them, and would not vectorise.
+          const T* __restrict b = pb;
+          const float* __restrict r = res;
+          float* __restrict out = acc;
+          // m: max |x| over the finite values; z: sum of x * 0, NaN iff some x is not finite.
+          float m = 0.f, z = 0.f;
+#pragma omp simd reduction(max : m) reduction(+ : z)
+          for (int64_t e = lo; e < hi; ++e) {
+            const float x = static_cast<float>(b[e]);
+            out[e] = r[e] + x;
+            const float a = std::fabs(x);
+            m = a > m ? a : m;
+            z += x * 0.f;
+          }
+          std::lock_guard<std::mutex> lock(mu);
+          seg_max[s] = std::max(seg_max[s], m);
+          seg_nan[s] += z;
         });
       });
+      for (int64_t s = 0; s < S; ++s)
+        if (seg_nan[s] != seg_nan[s]) seg_max[s] = seg_nan[s];
+      have_max = true;
     }
+  }
+  if (!have_max) {
+    // max |x| through ATen's vectorised abs + amax (NaN-propagating) per segment, several
+    // times faster than a scalar loop with per-element NaN branches.
+    at::parallel_for(0, S, N >= kGrain ? 1 : std::max<int64_t>(S, 1), [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s)
+        if (o[s + 1] > o[s]) seg_max[s] = at::amax(at::abs(buf.slice(0, o[s], o[s + 1]))).item<float>();
+    });
   }
   const float ws = static_cast<float>(world_size);
   const float lim = clip.has_value() ? static_cast<float>(*clip) : 0.f;
@@ -127,18 +163,8 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
     dispatch_value(wire_dtype, [&](auto* wtag) {
       using W = std::remove_pointer_t<decltype(wtag)>;
       W* pw = wire.data_ptr<W>();
-      // 2. flags of buf per segment: flag_of_max(max |x|), NaN if any x is NaN or inf. The
-      // max runs through ATen's vectorised abs + amax (NaN-propagating) per segment, several
-      // times faster than a scalar loop with per-element NaN branches.
-      at::parallel_for(0, S, N >= kGrain ? 1 : std::max<int64_t>(S, 1), [&](int64_t s0, int64_t s1) {
-        for (int64_t s = s0; s < s1; ++s) {
-          float m = 0.f;
-          if (o[s + 1] > o[s]) {
-            m = at::amax(at::abs(buf.slice(0, o[s], o[s + 1]))).item<float>();
-          }
-          pw[k + s] = static_cast<W>(step::flag_of_max(m));
-        }
-      });
+      // 2. flags of buf per segment: flag_of_max(max |x|), NaN if any x is NaN or inf.
+      for (int64_t s = 0; s < S; ++s) pw[k + s] = static_cast<W>(step::flag_of_max(seg_max[s]));
       // 3. payload and the sent coordinates of the residual-to-be.
       at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
         for (int64_t j = a; j < b; ++j) {
