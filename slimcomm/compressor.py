@@ -280,7 +280,7 @@ class SlimDPCompressor:
         ValueError: a hyperparameter out of range (the message names it).
     """
 
-    # Subclasses tighten these (the DDP hook needs 2 dense warm-up steps).
+    # Subclasses tighten these (the DDP hook needs a dense warm-up step for G).
     _MIN_WARMUP = 0
     _WARMUP_WHY = ""
     _HYPERPARAMETERS = ("core_ratio", "explore_ratio", "core_refresh", "warmup_steps", "score",
