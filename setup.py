@@ -59,6 +59,14 @@ define_macros = [
 cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
              "-fdiagnostics-color=always"]
 extra_compile_args = {"cxx": cxx_flags}
+# Link the C++ runtime dynamically even where the compiler driver links it
+# statically by default (seen on a GPU image whose g++ wrapper adds
+# -static-libstdc++): a private libstdc++ inside the module beside the one torch
+# loads crashes the first time an error message is formatted (a TORCH_CHECK ->
+# std::ostream in the wrong copy: SIGSEGV instead of a RuntimeError). Listed
+# before the driver's own libraries, the shared -lstdc++ resolves every symbol,
+# so a static libstdc++.a added later contributes nothing.
+DYNAMIC_LIBSTDCXX = ["-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
 if with_cuda:
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     define_macros += [("SLIMCOMM_WITH_CUDA", None), ("SLIMCOMM_CUDA_ARCHS", f'"{cuda_archs()}"')]
@@ -79,7 +87,7 @@ setup(
             include_dirs=[os.path.join(ROOT, "csrc")],
             define_macros=define_macros,
             extra_compile_args=extra_compile_args,
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + DYNAMIC_LIBSTDCXX,
             py_limited_api=True,
         )
     ],

@@ -13,8 +13,9 @@
 #               also with the device-side fallbacks forced (tests/test_cuda_fallbacks.py)
 #   host_sync   tests/test_host_sync.py: hook (shared, local), SlimDPOptimizer and
 #               ISTTrainer.synchronize under torch.cuda.set_sync_debug_mode("error")
-#               (NCCL, world size 1), and the hook / IST on CUDA tensors over gloo
-#               with 2 processes on the one GPU
+#               (NCCL, world size 1)
+#   host_2proc  the hook / IST on CUDA tensors over gloo with 2 processes on the one GPU
+#   dev_traps   a bad index under device-side checks stops the stream (one process each)
 #   hook_gloo2  bench/hook_overhead.py: 2 ranks on the one GPU over gloo
 #   hook_nccl1  bench/hook_overhead.py: NCCL at world size 1
 #               (both: step times, hook ms/step from CUDA events, ops, host syncs)
@@ -36,7 +37,8 @@
 # Environment: PYTHON (default python3), TORCH_CUDA_ARCH_LIST (default 9.0),
 # MAX_JOBS (default 16), GPU_CHECK_BUDGET_S (default 465 on cuda, 1500 on cpu:
 # total seconds, the build included; stages that find less than 15 s left are
-# skipped).
+# skipped), GPU_CHECK_STAGES (a comma list of stage names: run only those, e.g.
+# to re-check what failed; the build always runs on cuda).
 # Exit status: 0 when the build (cuda) and every test stage passed, 1 otherwise.
 set -uo pipefail
 
@@ -68,6 +70,7 @@ export SLIMCOMM_FORCE_CUDA=1
 # A CPU dry run is slower and smaller: stage limits x4, fewer steps, a longer budget.
 if [ "$DEVICE" = cpu ]; then SCALE=4; DEF_BUDGET=1500; else SCALE=1; DEF_BUDGET=465; fi
 BUDGET=${GPU_CHECK_BUDGET_S:-$DEF_BUDGET}
+ONLY=${GPU_CHECK_STAGES:-}
 export PYTHONUNBUFFERED=1  # stage logs keep what ran before a timeout
 T0=$(date +%s)
 
@@ -78,6 +81,10 @@ names=() ; codes=() ; secs=() ; notes=()
 stage() {
   local name=$1 limit=$(( $2 * SCALE ))
   shift 2
+  if [ -n "$ONLY" ] && [ "$name" != build ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    names+=("$name"); codes+=("skipped"); secs+=(0); notes+=("not in GPU_CHECK_STAGES")
+    return 0
+  fi
   local left=$(( BUDGET - ($(date +%s) - T0) ))
   if [ "$left" -lt 15 ]; then
     names+=("$name"); codes+=("skipped"); secs+=(0); notes+=("no time left in the budget")
@@ -187,7 +194,15 @@ if [ "$built" = 1 ]; then
     skip test_cuda "--device cpu"
   fi
   # Host syncs of the hot paths (skipped parts without a GPU run their CPU variants).
-  stage host_sync 90 "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/test_host_sync.py
+  # Three stages, so that one hang or crash does not hide the others' results.
+  stage host_sync 60 "$PY" -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_host_sync.py \
+    -k "not two_processes and not stop_the_stream"
+  if [ "$DEVICE" = cuda ]; then
+    stage host_2proc 60 "$PY" -m pytest -q -p no:cacheprovider -rfEs --tb=long -x tests/test_host_sync.py \
+      -k two_processes
+    stage dev_traps 90 "$PY" -m pytest -q -p no:cacheprovider -rfEs --tb=short tests/test_host_sync.py \
+      -k stop_the_stream
+  fi
   HO=(bench/hook_overhead.py --device "$DEVICE" --timeout $(( 120 * SCALE )))
   if [ "$DEVICE" = cpu ]; then HO+=(--sizes 784,256,10 --steps 6 --warmup 3); else HO+=(--steps 20 --warmup 4); fi
   stage hook_gloo2 60 "$PY" "${HO[@]}" --world-size 2 --backend gloo --out "$OUT/hook_gloo2/hook_overhead.md"
@@ -222,7 +237,7 @@ if [ "$built" = 1 ]; then
       --densities 0.01 --repeats 7 --out "$OUT/bench-grid-bf16"
   fi
 else
-  for st in info test_cuda host_sync hook_gloo2 hook_nccl1 train_mlp train_gpt train_ist bench_1e8 \
+  for st in info test_cuda host_sync host_2proc dev_traps hook_gloo2 hook_nccl1 train_mlp train_gpt train_ist bench_1e8 \
             test_ops bench_grid bench_bf16; do
     skip "$st" "needs the CUDA build (see build.log)"
   done

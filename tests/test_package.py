@@ -201,3 +201,25 @@ def test_every_subpackage_and_py_typed_are_packaged(tmp_path):
     assert (out / "slimcomm" / "_probe_subpkg" / "__init__.py").is_file()
     packaged = {p.name for p in (out / "slimcomm").glob("*.py")}
     assert {"__init__.py", "_version.py", "ops.py", "hooks.py", "ist.py", "info.py"} <= packaged
+
+
+def test_extension_links_the_shared_cpp_runtime():
+    """The built module uses the process's one libstdc++ (NEEDED libstdc++.so.6) and
+    defines none of its iostream/locale classes itself. A copy linked in statically (a
+    compiler driver adding -static-libstdc++, as the GPU image's g++ wrapper does) beside
+    the libstdc++ torch loads crashed every raising op there with SIGSEGV while the
+    error message was formatted (bench/results/gpu/2026-12-04-h200-torch2.11-run2)."""
+    import glob
+
+    mods = glob.glob(os.path.join(REPO, "slimcomm", "_C*.so"))
+    assert mods, "slimcomm/_C*.so is not built"
+    readelf, nm = shutil.which("readelf"), shutil.which("nm")
+    assert readelf and nm, "binutils (readelf, nm) are needed to inspect the build"
+    dyn = subprocess.run([readelf, "-d", mods[0]], capture_output=True, text=True, check=True)
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn.stdout)
+    assert any(n.startswith("libstdc++.so") for n in needed), needed
+    syms = subprocess.run([nm, "-D", "--defined-only", mods[0]], capture_output=True,
+                          text=True, check=True).stdout
+    # Mangled names of std::basic_ostream / std::codecvt / std::locale members.
+    own = [s for s in syms.split("\n") if re.search(r"St13basic_ostream|St7codecvt|St6locale", s)]
+    assert not own, own[:5]
