@@ -1,4 +1,4 @@
-"""numpy emulation of the CUDA large-segment control flow (csrc/cuda/selection.cu).
+"""numpy emulation of the CUDA large-segment control flow (csrc/cuda/topk.cu, csrc/cuda/explore.cu).
 
 The CUDA kernels decide on the device, with no host read, between the paths
 of significance_topk's bracket (candidates only / candidates + ties / the
