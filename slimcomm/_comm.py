@@ -105,7 +105,7 @@ def wait(work, what: str, timeout: Optional[float]):
     """Wait for ``work`` (a ``Work`` or a future); on failure raise
     :class:`CollectiveError` that names ``what`` and the likely causes."""
     try:
-        if isinstance(work, torch.futures.Future):
+        if hasattr(work, "value"):  # a future (torch.futures.Future or torch._C.Future)
             return work.wait()
         work.wait()
         return None
