@@ -463,6 +463,10 @@ class SlimDPOptimizer:
             # Every group's result first: a failed collective raises here, before any
             # parameter is written (no group is applied from a partly failed sync).
             avgs = [_comm.wait(fut, what, self.timeout) for fut in futs]
+        except CollectiveError as exc:
+            if not str(exc).startswith("SlimDPOptimizer"):
+                exc = CollectiveError(f"{what}: {exc}")
+            raise self._fail(exc) from exc.__cause__
         except Exception as exc:  # the compressor state may be half-updated: stop here
             self._fail(exc)
             raise
