@@ -36,10 +36,13 @@ Usage (no DDP wrapper needed; every rank runs the same code)::
         loss_fn(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # local gradient
         opt.step()                   # inner step; every 8th call also synchronises
-    opt.synchronize()                # before evaluating or saving: replicas identical
+    opt.synchronize()                # on every rank: replicas identical
 
-With a ``GradScaler``: ``scaler.step(opt.inner); scaler.update(); opt.advance()``
-(a step skipped on one rank must still be counted on every rank).
+With a ``GradScaler``: ``scaler.step(opt); scaler.update()`` (a step the scaler
+skips on one rank is still counted; the same as ``scaler.step(opt.inner);
+opt.advance()``). Uneven inputs (ranks with different numbers of batches): run
+the loop inside ``with opt.join():``. A rank that dies or hangs makes every
+other rank raise :class:`CollectiveError` within ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -133,6 +136,20 @@ class SlimDPOptimizer:
         check_agreement_every: every n-th compressed sync checks the index
             sets across ranks with one all-reduce of 8 int64 (default 100;
             0 = never; cost in ``stats["total"]["checks"/"check_bytes"]``).
+        timeout: seconds any one collective may wait (default 300; ``None`` =
+            the process group's own timeout, 30 minutes on gloo). Passed to the
+            backend with each collective (the process group is not changed). A
+            rank that died is noticed within about a second; one that hangs
+            or stopped stepping makes the others raise after ``timeout``.
+            After ``sync_every`` steps the faster ranks wait for the slowest
+            at the synchronisation, so keep ``timeout`` above the time of
+            ``sync_every`` steps (plus checkpointing or evaluation between).
+
+    Reliability: a failed or timed-out collective, or ranks whose local steps
+    or synchronisation counts drifted apart (see :meth:`synchronize`), raise
+    :class:`~slimcomm.optim.CollectiveError` on every surviving rank; nothing
+    of that synchronisation is written into the model and the optimizer
+    refuses further use. Uneven inputs: :meth:`join`.
 
     Arguments are fixed at construction: assigning ``sync_every``,
     ``compression``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
