@@ -608,7 +608,7 @@ class ISTStats:
             (``N`` elements) would move per rank over the same ``steps``:
             ``steps * 2 * (world_size - 1) * N * itemsize // world_size``.
         check_bytes: bytes this rank put into the per-round agreement
-            all-reduce (64 per synchronisation; not in ``bytes_sent``).
+            all-reduce (80 per synchronisation; not in ``bytes_sent``).
     """
 
     rounds: int = 0
@@ -685,8 +685,8 @@ class ISTTrainer:
             makes the others raise after ``timeout`` seconds.
 
     Reliability: every :meth:`synchronize` starts with one agreement
-    all-reduce of 4 int64 counters (64 bytes, one host read per round, in
-    ``stats.check_bytes``): round, local step, steps taken, joined. Ranks that
+    all-reduce of 5 int64 counters (80 bytes, one host read per round, in
+    ``stats.check_bytes``): joined, round, local step, steps taken, mid-round. Ranks that
     reached it at different points (uneven inputs without :meth:`join`,
     :meth:`synchronize` called on some ranks only) raise
     :class:`~slimcomm.CollectiveError` on every rank before the exchange,
