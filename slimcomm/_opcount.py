@@ -85,13 +85,17 @@ class OpCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def synchronous_collectives(*modules) -> Iterator[None]:
-    """Make ``dist.all_reduce`` / ``dist.all_gather_into_tensor`` (as seen by
-    ``modules``' ``dist`` and their ``_ALL_GATHER``) wait before returning, so that a
+    """Make ``dist.all_reduce`` / ``dist.all_gather_into_tensor`` and
+    :mod:`slimcomm._comm`'s ``all_reduce`` / ``all_gather`` (what ``modules`` issue
+    their collectives through) wait before returning, so that a
     ``fut.then(cb)`` on their futures runs ``cb`` inline in the calling thread, where an
     :class:`OpCounter` sees it. Results are unchanged (the same collectives, in the
     same order)."""
+    from . import _comm
+
     real_ar = dist.all_reduce
     real_ag = dist.all_gather_into_tensor
+    real_comm = (_comm.all_reduce, _comm.all_gather)
 
     def wrap(real):
         def call(*args, async_op=False, **kwargs):
@@ -100,17 +104,19 @@ def synchronous_collectives(*modules) -> Iterator[None]:
             return work if async_op else None
         return call
 
-    saved = []
+    def wrap_comm(real):
+        def call(*args, **kwargs):
+            work = real(*args, **kwargs)
+            work.wait()
+            return work
+        return call
+
     try:
         dist.all_reduce = wrap(real_ar)
         dist.all_gather_into_tensor = wrap(real_ag)
-        for m in modules:
-            if hasattr(m, "_ALL_GATHER"):
-                saved.append((m, m._ALL_GATHER))
-                m._ALL_GATHER = wrap(m._ALL_GATHER)
+        _comm.all_reduce, _comm.all_gather = (wrap_comm(f) for f in real_comm)
         yield
     finally:
         dist.all_reduce = real_ar
         dist.all_gather_into_tensor = real_ag
-        for m, v in saved:
-            m._ALL_GATHER = v
+        _comm.all_reduce, _comm.all_gather = real_comm

@@ -14,10 +14,13 @@ from typing import List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _comm
+
 __all__ = ["max_min_across_ranks", "gather_across_ranks", "agree_across_ranks"]
 
 
-def max_min_across_ranks(vals: torch.Tensor, group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def max_min_across_ranks(vals: torch.Tensor, group=None,
+                         timeout: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Element-wise max and min of an int64 tensor over the ranks of ``group``.
 
     One all-reduce (MAX of ``[x, -x]``); equal max and min mean every rank
@@ -26,12 +29,16 @@ def max_min_across_ranks(vals: torch.Tensor, group=None) -> Tuple[torch.Tensor, 
     Args:
         vals: int64 ``[n]`` on the device the backend reduces on (CPU for gloo).
         group: process group (default: the world).
+        timeout: seconds this collective may wait (``None``: the process
+            group's timeout); a failure or timeout raises
+            :class:`slimcomm._comm.CollectiveError`.
 
     Returns:
         ``(max, min)``, each int64 ``[n]``.
     """
     both = torch.cat([vals, -vals])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    _comm.wait(_comm.all_reduce(both, group, dist.ReduceOp.MAX, timeout),
+               "cross-rank agreement check", timeout)
     n = vals.numel()
     return both[:n], -both[n:]
 
@@ -45,21 +52,24 @@ def _reduce_device(group, device: Optional[torch.device]) -> torch.device:
     return torch.device("cpu")
 
 
-def gather_across_ranks(value: int, group=None, device: Optional[torch.device] = None) -> List[int]:
+def gather_across_ranks(value: int, group=None, device: Optional[torch.device] = None,
+                        timeout: Optional[float] = None) -> List[int]:
     """Every rank's int64 ``value``, indexed by rank in ``group`` (one all_gather).
 
     Collective. For error messages (which ranks failed, which ranks agree);
     the checks themselves use :func:`max_min_across_ranks`.
     """
     mine = torch.tensor([int(value)], dtype=torch.int64, device=_reduce_device(group, device))
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return [int(t.item()) for t in everyone]
+    everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=mine.device)
+    _comm.wait(_comm.all_gather(everyone, mine, group, timeout), "cross-rank agreement check",
+               timeout)
+    return everyone.tolist()
 
 
 def agree_across_ranks(values: Mapping[str, int], error: Optional[BaseException], *,
                        other_failed: str, group=None,
-                       device: Optional[torch.device] = None) -> List[str]:
+                       device: Optional[torch.device] = None,
+                       timeout: Optional[float] = None) -> List[str]:
     """Exchange named int64 values and a failure flag; report what differs.
 
     Collective: every rank of ``group`` calls it with the same names, also a
@@ -75,6 +85,8 @@ def agree_across_ranks(values: Mapping[str, int], error: Optional[BaseException]
         group: process group (default: the world).
         device: where the values are reduced (default: the current GPU for
             an NCCL group, else the CPU).
+        timeout: seconds each collective may wait (``None``: the process
+            group's timeout).
 
     Returns:
         the names whose values differ across ranks (empty if all agree).
@@ -87,11 +99,11 @@ def agree_across_ranks(values: Mapping[str, int], error: Optional[BaseException]
     device = _reduce_device(group, device)
     vals = torch.tensor([int(error is not None)] + [int(v) for v in values.values()],
                         dtype=torch.int64, device=device)
-    hi, lo = max_min_across_ranks(vals, group)
+    hi, lo = max_min_across_ranks(vals, group, timeout)
     hi, lo = hi.tolist(), lo.tolist()
     if hi[0] != 0:
         # Rare path, taken by every rank alike: one more collective names the failed ranks.
-        flags = gather_across_ranks(int(error is not None), group, device)
+        flags = gather_across_ranks(int(error is not None), group, device, timeout)
         if error is not None:
             raise error
         failed = [r for r, f in enumerate(flags) if f != 0]

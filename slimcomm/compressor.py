@@ -65,7 +65,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import _comm, ops
 from .agreement import agree_across_ranks, max_min_across_ranks
 from .codec import BITS, ChunkPlan
 
@@ -112,8 +112,6 @@ def _is_int(x) -> bool:
 def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
-# torch >= 2.12 renamed all_gather_into_tensor to all_gather_single.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def selection_sizes(numel: int, core_ratio: float, explore_ratio: float) -> Tuple[int, int, bool]:
@@ -321,6 +319,7 @@ class SlimDPCompressor:
         "_fallbacks",      # device -> int64 count of refreshes whose new core set differed
         "_dev_counts",     # device -> int64 [2]: non-finite parameter-steps, voided steps
         "_void_flags",     # step -> bool 0-d device tensor: some parameter was non-finite
+        "_timeout",        # seconds each collective may wait (None: the process group's)
     ]
 
     process_group = _Frozen()
@@ -434,6 +433,10 @@ class SlimDPCompressor:
         self._fallbacks: Dict[torch.device, torch.Tensor] = {}
         self._dev_counts: Dict[torch.device, torch.Tensor] = {}
         self._void_flags: Dict[int, torch.Tensor] = {}
+        # Seconds each collective may wait before it fails (None: the process group's own
+        # timeout). Not a hyperparameter: it changes no result, only how long a dead or
+        # hung peer can stall this rank. SlimDPOptimizer sets it from its ``timeout``.
+        self._timeout: Optional[float] = None
 
     # ------------------------------------------------------------ parameters
     def attach_parameters(self, named: Sequence[Tuple[str, torch.Tensor]]) -> "SlimDPCompressor":
@@ -598,7 +601,7 @@ class SlimDPCompressor:
         }
         name = type(self).__name__
         differ = agree_across_ranks(
-            items, error, group=self.group, device=device,
+            items, error, group=self.group, device=device, timeout=self._timeout,
             other_failed=(
                 f"{name}: another rank could not map {label} to its "
                 f"Slim-DP state (see the error raised on that rank, e.g. a state that is not "
@@ -1191,12 +1194,12 @@ def _dense(state, layout, buf, world_size, wire_dtype):
     else:
         wire = buf.float().div_(world_size).to(wire_dtype)
     state._count(n * buf.element_size(), n * wire.element_size(), n, n, n, 0)
-    fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
+    fut = _comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
 
     scale = state._loss_scale(layout)
 
     def done(f):
-        out = f.value()[0]
+        out = f.value()[0]  # raises if the collective failed: nothing is written then
         if out is not buf:
             buf.copy_(out)
         # Branchless: G <- the average in the parameters whose average is finite.
@@ -1331,9 +1334,10 @@ def _shared(state, layout, buf, world_size, step, weight):
     k = idx.numel()
     state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size(),
                  layout.numel, k, k - n_explore, n_explore)
-    fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
+    fut = _comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
 
     def done(f):
+        # f.value() raises if the collective failed: nothing is committed then
         _commit(state, layout, buf, acc, idx, f.value()[0], step, scale)
         return buf
 
@@ -1359,10 +1363,14 @@ def _local(state, layout, buf, world_size, step, weight):
                  layout.numel, k, k - n_explore, n_explore)
     all_idx = torch.empty(world_size * k, dtype=torch.int64, device=idx.device)
     all_val = torch.empty(world_size * (k + S), dtype=wire_dtype, device=idx.device)
-    f1 = _ALL_GATHER(all_idx, idx, group=state.group, async_op=True).get_future()
-    f2 = _ALL_GATHER(all_val, wire, group=state.group, async_op=True).get_future()
+    f1 = _comm.all_gather(all_idx, idx, state.group, state._timeout).get_future()
+    f2 = _comm.all_gather(all_val, wire, state.group, state._timeout).get_future()
 
-    def done(_):
+    def done(both):
+        # Read both results: value() raises if that all-gather failed, so a failed
+        # collective never decodes its (uninitialised) receive buffers.
+        for f in both.value():
+            f.value()
         _commit(state, layout, buf, acc, idx, None, step, scale,
                 local=(all_idx, all_val, world_size))
         return buf
@@ -1380,7 +1388,7 @@ def _index_checksums(state, layout, idx, extra=()):
                                      torch.tensor(k, dtype=torch.int64, device=idx.device))
     w, kt = cached
     sums = torch.stack([idx.sum(), (idx * w).sum(), (idx * idx).sum(), kt, *extra])
-    hi, lo = max_min_across_ranks(sums, state.group)
+    hi, lo = max_min_across_ranks(sums, state.group, state._timeout)
     state._count_check(2 * sums.numel() * sums.element_size())
     return hi, lo
 
@@ -1449,9 +1457,10 @@ def _quantised(state, layout, buf, world_size, step, weight):
         # what was not delivered (the rounding error) stays in the residual, unscaled
         ops.unpack(acc, idx, lost if scale is None else lost.div_(scale))
     gathered = torch.empty(world_size * P, dtype=torch.uint8, device=buf.device)
-    fut = _ALL_GATHER(gathered, wire, group=state.group, async_op=True).get_future()
+    fut = _comm.all_gather(gathered, wire, state.group, state._timeout).get_future()
 
-    def done(_):
+    def done(f):
+        f.value()  # raises if the all-gather failed: its receive buffer is never decoded
         rows = gathered.view(world_size, P)
         all_flags = rows[:, :4 * S].view(torch.float32).sum(0)
         all_scales = rows[:, 4 * S:4 * S + 2 * plan.nchunks].view(torch.bfloat16)

@@ -78,7 +78,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import ops
+import contextlib
+
+from . import _comm, ops
+from ._comm import CollectiveError
 from .agreement import agree_across_ranks, gather_across_ranks
 
 __all__ = [
@@ -89,6 +92,7 @@ __all__ = [
     "InputScale",
     "ISTStats",
     "ISTTrainer",
+    "CollectiveError",
 ]
 
 _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU, nn.LeakyReLU)
@@ -603,6 +607,8 @@ class ISTStats:
             with a ring all-reduce of every trainable parameter's gradient
             (``N`` elements) would move per rank over the same ``steps``:
             ``steps * 2 * (world_size - 1) * N * itemsize // world_size``.
+        check_bytes: bytes this rank put into the per-round agreement
+            all-reduce (80 per synchronisation; not in ``bytes_sent``).
     """
 
     rounds: int = 0
@@ -612,6 +618,7 @@ class ISTStats:
     bytes_received: int = 0
     dense_bytes_sent: int = 0
     dense_bytes_received: int = 0
+    check_bytes: int = 0
 
 
 _FP_ERROR = -1  # placeholder fingerprint of a rank whose validation failed (sent with its failure flag)
@@ -671,6 +678,21 @@ class ISTTrainer:
         rescale: scale hidden/output Linear inputs by ``world_size`` in the
             subnet (see "Pre-activation scaling" in the module docstring).
         broadcast_model: broadcast rank 0's model at construction.
+        timeout: seconds any one collective of the trainer may wait (default
+            300; ``None`` = the process group's own timeout, 30 minutes on
+            gloo). A rank that died is noticed within about a second (its
+            connections close); one that hangs or stopped calling :meth:`step`
+            makes the others raise after ``timeout`` seconds.
+
+    Reliability: every :meth:`synchronize` starts with one agreement
+    all-reduce of 5 int64 counters (80 bytes, one host read per round, in
+    ``stats.check_bytes``): joined, round, local step, steps taken, mid-round. Ranks that
+    reached it at different points (uneven inputs without :meth:`join`,
+    :meth:`synchronize` called on some ranks only) raise
+    :class:`~slimcomm.CollectiveError` on every rank before the exchange,
+    instead of exchanging slices of different rounds. A collective that fails
+    or times out raises the same error on every surviving rank, the model is
+    not written, and the trainer refuses further use.
 
     Raises:
         TypeError / ValueError: bad arguments or an unsupported model (on the
@@ -692,6 +714,7 @@ class ISTTrainer:
         *,
         rescale: bool = True,
         broadcast_model: bool = True,
+        timeout: Optional[float] = 300.0,
     ):
         if not callable(optimizer_factory):
             raise TypeError(
@@ -712,6 +735,7 @@ class ISTTrainer:
         try:
             _check_int(local_steps, "local_steps", 1)
             _check_int(seed, "seed")
+            self._timeout = _comm.check_timeout(timeout, "ISTTrainer")
             if not isinstance(rescale, bool):
                 raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
             if not isinstance(broadcast_model, bool):
@@ -746,6 +770,9 @@ class ISTTrainer:
         self._round = 0
         self._local_step = 0
         self._subnet_cache: Dict[Tuple[int, ...], Any] = {}
+        self._check_bytes = 0
+        self._failed: Optional[str] = None
+        self._joined = False
         if self._distributed and broadcast_model and self._world_size > 1:
             self._broadcast_model()
         self._begin_round()
@@ -760,6 +787,7 @@ class ISTTrainer:
         message groups the ranks by fingerprint)."""
         differ = agree_across_ranks(
             {"fingerprint": fingerprint}, error, group=self._pg,
+            timeout=getattr(self, "_timeout", None),
             other_failed=("ISTTrainer: another rank of the process group rejected its model or "
                           "arguments (see the error raised there); no rank can proceed"))
         if differ:
@@ -781,11 +809,12 @@ class ISTTrainer:
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
-        src = dist.get_global_rank(self._pg, 0) if self._pg is not None else 0
         with torch.no_grad():
             for group in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
-                dist.broadcast(flat, src=src, group=self._pg)
+                _comm.wait(_comm.broadcast(flat, 0, self._pg, self._timeout),
+                           "ISTTrainer: the broadcast of rank 0's model at construction",
+                           self._timeout)
                 pos = 0
                 for t in group:
                     t.copy_(flat[pos:pos + t.numel()].view_as(t))
@@ -961,6 +990,7 @@ class ISTTrainer:
             rounds=self._rounds,
             steps=self._steps,
             payload_bytes=self._payload_bytes,
+            check_bytes=self._check_bytes,
             bytes_sent=self._wire_bytes,
             bytes_received=self._wire_bytes,
             dense_bytes_sent=dense,
@@ -995,6 +1025,7 @@ class ISTTrainer:
                 (checked before anything runs); ``loss_fn`` did not return a
                 scalar tensor.
         """
+        self._check_usable()
         plan = self._plan
         in_features = self.model[plan.linears[0]].in_features
         if not isinstance(inputs, torch.Tensor):
@@ -1038,10 +1069,99 @@ class ISTTrainer:
         ``_foreach_copy_`` each for the shared tensors and the BatchNorm
         counters), plus the repartition's (see :meth:`_begin_round`).
         """
+        self._check_usable()
         if self._local_step == 0:
             return
+        self._agree(joined=False)
         with ops.trusted_indices():  # the slices come from our own partition: no CUDA value-check syncs
             self._synchronize()
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise CollectiveError(f"ISTTrainer cannot be used after a failed synchronisation: "
+                                  f"{self._failed}")
+
+    def _what(self) -> str:
+        return (f"ISTTrainer.synchronize (round {self._round}, local step {self._local_step}, "
+                f"step {self._steps})")
+
+    def _agree(self, joined: bool) -> Dict[str, bool]:
+        """The per-round agreement (see the class docstring); raises on every rank if the
+        ranks that have not joined disagree. Returns ``any_active``, ``unsynced``."""
+        if not self._distributed or self._world_size == 1:
+            return {"any_active": not joined, "unsynced": self._local_step > 0}
+        vals = [0 if joined else 1, self._round, None if joined else self._local_step,
+                None if joined else self._steps, int(self._local_step > 0)]
+        try:
+            hi, lo = _comm.agree_counters(vals, self._pg, self._timeout, self._plan.device,
+                                          self._what())
+        except CollectiveError as exc:
+            self._failed = str(exc)
+            raise
+        self._check_bytes += 2 * 8 * len(vals)
+        if hi[1] != lo[1] or hi[2] != lo[2] or hi[3] != lo[3]:
+            rows = _comm.gather_rows([-1 if v is None else v for v in vals], self._pg,
+                                     self._timeout, self._plan.device)
+            where = ", ".join(
+                f"rank {r}: round {row[1]}, " + ("joined" if row[0] == 0 else
+                                                 f"local step {row[2]}, {row[3]} steps")
+                for r, row in enumerate(rows))
+            self._failed = (
+                f"{self._what()}: the ranks reached this synchronisation at different points "
+                f"({where}). Every rank must call step() the same number of times and "
+                f"synchronize() at the same step. Usual causes: uneven inputs (a rank ran out "
+                f"of batches: wrap the loop in `with trainer.join():`, or agree on the number "
+                f"of steps up front); synchronize() called on some ranks only. Nothing was "
+                f"exchanged; restart every rank from the last checkpoint")
+            raise CollectiveError(self._failed)
+        return {"any_active": hi[0] == 1, "unsynced": hi[4] == 1}
+
+    @contextlib.contextmanager
+    def join(self):
+        """Context manager for uneven inputs: ranks may take different numbers of steps.
+
+        A rank whose loop inside the block ends first shadows the other ranks'
+        synchronisations when it leaves the block: it takes part in each of
+        their rounds, sending its subnet as it is (its neurons are not trained
+        further; the shared output bias is still averaged over every rank), so
+        every rank keeps the same full model and partition. When all ranks have
+        left their loops, a last synchronisation runs if any rank is mid-round,
+        and every rank leaves the block with the same full model. A finished
+        rank waits up to ``timeout`` seconds for each round of the others.
+
+        Example::
+
+            with trainer.join():
+                for x, y in loader:            # loaders of different lengths
+                    trainer.step(x, y, torch.nn.functional.cross_entropy)
+
+        Without ``join()``: agree on the number of steps up front (one
+        all-reduce MIN of ``len(loader)``) and run exactly that many.
+
+        Raises:
+            CollectiveError: as :meth:`synchronize`.
+            RuntimeError: ``join()`` is already active (it cannot nest).
+        """
+        self._check_usable()
+        if self._joined:
+            raise RuntimeError("ISTTrainer.join() is already active (it cannot nest)")
+        self._joined = True
+        try:
+            yield self
+        except BaseException:
+            self._joined = False
+            raise
+        try:
+            while True:
+                seen = self._agree(joined=True)
+                if not seen["any_active"] and not seen["unsynced"]:
+                    break
+                with ops.trusted_indices():
+                    self._synchronize()
+                if not seen["any_active"]:
+                    break
+        finally:
+            self._joined = False
 
     def _synchronize(self) -> None:
         plan = self._plan
@@ -1063,7 +1183,12 @@ class ISTTrainer:
             else:
                 send = torch.nn.functional.pad(packed, (0, width - mine))
                 gathered = packed.new_empty((w, width))
-                dist.all_gather(list(gathered.unbind(0)), send, group=self._pg)
+                try:
+                    _comm.wait(_comm.all_gather(gathered.view(-1), send, self._pg,
+                                                self._timeout), self._what(), self._timeout)
+                except CollectiveError as exc:  # nothing was written into the model
+                    self._failed = str(exc)
+                    raise
             for r in range(w):
                 n = self._slice_numel[r]
                 ops.scatter_slices_multi(

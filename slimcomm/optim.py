@@ -36,10 +36,13 @@ Usage (no DDP wrapper needed; every rank runs the same code)::
         loss_fn(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # local gradient
         opt.step()                   # inner step; every 8th call also synchronises
-    opt.synchronize()                # before evaluating or saving: replicas identical
+    opt.synchronize()                # on every rank: replicas identical
 
-With a ``GradScaler``: ``scaler.step(opt.inner); scaler.update(); opt.advance()``
-(a step skipped on one rank must still be counted on every rank).
+With a ``GradScaler``: ``scaler.step(opt); scaler.update()`` (a step the scaler
+skips on one rank is still counted; the same as ``scaler.step(opt.inner);
+opt.advance()``). Uneven inputs (ranks with different numbers of batches): run
+the loop inside ``with opt.join():``. A rank that dies or hangs makes every
+other rank raise :class:`CollectiveError` within ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _comm
+from ._comm import CollectiveError
 from .agreement import agree_across_ranks
 from .compressor import SlimDPCompressor
 
-__all__ = ["SlimDPOptimizer", "COMPRESSIONS"]
+__all__ = ["SlimDPOptimizer", "COMPRESSIONS", "CollectiveError"]
 
 COMPRESSIONS = ("shared", "local", "dense")
 _STATE_VERSION = 1
@@ -131,6 +136,20 @@ class SlimDPOptimizer:
         check_agreement_every: every n-th compressed sync checks the index
             sets across ranks with one all-reduce of 8 int64 (default 100;
             0 = never; cost in ``stats["total"]["checks"/"check_bytes"]``).
+        timeout: seconds any one collective may wait (default 300; ``None`` =
+            the process group's own timeout, 30 minutes on gloo). Passed to the
+            backend with each collective (the process group is not changed). A
+            rank that died is noticed within about a second; one that hangs
+            or stopped stepping makes the others raise after ``timeout``.
+            After ``sync_every`` steps the faster ranks wait for the slowest
+            at the synchronisation, so keep ``timeout`` above the time of
+            ``sync_every`` steps (plus checkpointing or evaluation between).
+
+    Reliability: a failed or timed-out collective, or ranks whose local steps
+    or synchronisation counts drifted apart (see :meth:`synchronize`), raise
+    :class:`~slimcomm.optim.CollectiveError` on every surviving rank; nothing
+    of that synchronisation is written into the model and the optimizer
+    refuses further use. Uneven inputs: :meth:`join`.
 
     Arguments are fixed at construction: assigning ``sync_every``,
     ``compression``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
@@ -169,13 +188,17 @@ class SlimDPOptimizer:
         process_group: Optional[dist.ProcessGroup] = None,
         bucket_cap_mb: float = 25.0,
         check_agreement_every: int = 100,
+        timeout: Optional[float] = 300.0,
     ):
         self.process_group = process_group
+        self._failed: Optional[str] = None
+        self._joined = False
         error: Optional[BaseException] = None
         fingerprint = 0
         try:
             self._validate(model, inner, sync_every, compression, outer_lr, outer_momentum,
                            bucket_cap_mb)
+            self.timeout = _comm.check_timeout(timeout, "SlimDPOptimizer")
             for name, v in (("nesterov", nesterov), ("error_feedback", error_feedback)):
                 if not isinstance(v, bool):
                     raise ValueError(f"{name} must be a bool (True or False), got {v!r}")
@@ -197,6 +220,7 @@ class SlimDPOptimizer:
                 value_dtype=value_dtype, seed=seed,
                 check_agreement_every=check_agreement_every, value_bits=value_bits,
                 quant_chunk=quant_chunk)
+            self.compressor._timeout = self.timeout
             self.inner = inner
             self.sync_every = sync_every
             self.outer_lr = float(outer_lr)
@@ -216,7 +240,7 @@ class SlimDPOptimizer:
         device = self._groups[0].outer.device if error is None and self._groups else None
         differ = agree_across_ranks(
             {"hyperparameters and parameter shapes": fingerprint}, error, group=process_group,
-            device=device,
+            device=device, timeout=timeout if error is None else None,
             other_failed="SlimDPOptimizer: another rank could not be constructed (see its "
                          "error); no rank can proceed")
         if differ:
@@ -229,7 +253,7 @@ class SlimDPOptimizer:
         self._frozen = True
 
     _FROZEN = frozenset(("sync_every", "compression", "outer_lr", "outer_momentum", "nesterov",
-                         "process_group", "inner", "compressor"))
+                         "process_group", "inner", "compressor", "timeout"))
 
     def __setattr__(self, name, value):
         if name in self._FROZEN and self.__dict__.get("_frozen"):
@@ -287,16 +311,15 @@ class SlimDPOptimizer:
 
     def _broadcast_initial_state(self) -> None:
         """Rank 0's parameters and buffers everywhere; outer copy := parameters."""
-        group = self.process_group
+        group, t = self.process_group, self.timeout
+        what = "SlimDPOptimizer: the broadcast of rank 0's parameters at construction"
         with torch.no_grad():
             for g in self._groups:
                 torch._foreach_copy_(g.outer_views, g.params)
-                dist.broadcast(g.outer, src=dist.get_global_rank(group, 0) if group else 0,
-                               group=group)
+                _comm.wait(_comm.broadcast(g.outer, 0, group, t), what, t)
                 torch._foreach_copy_(g.params, g.outer_views)
             for b in self._module.buffers():
-                dist.broadcast(b, src=dist.get_global_rank(group, 0) if group else 0,
-                               group=group)
+                _comm.wait(_comm.broadcast(b, 0, group, t), what, t)
 
     # ---------------------------------------------------------------- stepping
     @property
@@ -308,8 +331,38 @@ class SlimDPOptimizer:
         """``inner.zero_grad(set_to_none)``."""
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    #: ``torch.amp.GradScaler.step(opt)`` then always calls :meth:`step` (with
+    #: ``grad_scale`` / ``found_inf`` set), so a step it skips is still counted
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
-        """One inner step, then :meth:`advance`. Returns the closure's loss, if any."""
+        """One inner step, then :meth:`advance`. Returns the closure's loss, if any.
+
+        Under ``GradScaler.step(opt)`` (``scaler.step(opt); scaler.update()``) the
+        gradients are unscaled here and the inner step is skipped when the scaler
+        found inf/NaN on this rank -- but the step is counted either way, so the
+        ranks' synchronisation schedules cannot drift apart. (Equivalent to
+        ``scaler.step(opt.inner); opt.advance()``.)
+        """
+        self._check_usable()
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:  # called by GradScaler.step(self)
+            if closure is not None:
+                raise ValueError("SlimDPOptimizer.step: a closure cannot be used under "
+                                 "GradScaler.step(opt)")
+            grad_scale = getattr(self, "grad_scale", None)
+            if grad_scale is not None:  # not unscaled yet: do what GradScaler.unscale_ does
+                grads = [p.grad for g in self.inner.param_groups for p in g["params"]
+                         if p.grad is not None]
+                inv = grad_scale.double().reciprocal().float()
+                dummy = torch.zeros((), dtype=torch.float32, device=inv.device)
+                for dev in {gr.device for gr in grads}:
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        [gr for gr in grads if gr.device == dev], dummy.to(dev), inv.to(dev))
+            if not bool(found_inf):  # GradScaler's own skip decision (one host read)
+                self.inner.step()
+            self.advance()
+            return None
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.advance()
         return loss
@@ -320,6 +373,7 @@ class SlimDPOptimizer:
         Call on every rank after every inner step, also one a ``GradScaler``
         skipped. Returns whether it synchronised.
         """
+        self._check_usable()
         self.local_step += 1
         if self.local_step % self.sync_every == 0:
             self.synchronize()
@@ -332,25 +386,108 @@ class SlimDPOptimizer:
         step the outer parameters, set every rank's parameters to them.
 
         Called by :meth:`advance` every ``sync_every`` steps; call it yourself
-        before evaluating or checkpointing at another step (every rank alike).
-        A no-op when no local step happened since the last synchronisation.
+        before evaluating or checkpointing at another step, on every rank at
+        the same local step. A no-op when no local step happened since the last
+        synchronisation.
+
+        Each synchronisation starts with one agreement all-reduce of 5 int64
+        counters (80 bytes, one host read, once per ``sync_every`` steps; in
+        ``stats["total"]["checks"]``): the local step, the number of
+        synchronisations and whether each rank has joined. It runs *before* the
+        value collectives because consecutive synchronisations can differ in
+        their collectives (warm-up, core refresh, agreement checks), so ranks
+        whose schedules drifted must be stopped before they issue collectives
+        of different sizes.
+
+        Raises:
+            CollectiveError (a ``RuntimeError``), on every rank: a collective
+                failed or did not complete within ``timeout`` seconds (a rank
+                died, hung, or stopped calling :meth:`step`), or the ranks
+                reached this synchronisation at different local steps or
+                synchronisation counts (uneven inputs without :meth:`join`;
+                :meth:`synchronize` called on some ranks only; a step not
+                counted with :meth:`advance`). The model is left as it was
+                before this synchronisation, and the optimizer refuses further
+                use (restart from a checkpoint).
         """
+        self._check_usable()
         if self.local_step == self._synced_at:
             return
+        self._agree(joined=False)
+        self._sync_collectives()
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise CollectiveError(f"SlimDPOptimizer cannot be used after a failed "
+                                  f"synchronisation: {self._failed}")
+
+    def _what(self) -> str:
+        return (f"SlimDPOptimizer.synchronize (synchronisation {self.syncs + 1}, local step "
+                f"{self.local_step})")
+
+    def _fail(self, exc: BaseException):
+        self._failed = str(exc)
+        return exc
+
+    def _agree(self, joined: bool) -> Dict[str, Any]:
+        """The per-sync agreement (see :meth:`synchronize`); raises on every rank if the
+        counters of the ranks that have not joined differ. Returns what every rank
+        learnt: ``any_active`` (some rank still steps), ``unsynced`` (some rank has
+        local steps since the last synchronisation)."""
+        vals = [0 if joined else 1, self.syncs, self.compressor.step,
+                None if joined else self.local_step, int(self.local_step != self._synced_at)]
+        dev = self._groups[0].outer.device
+        try:
+            hi, lo = _comm.agree_counters(vals, self.process_group, self.timeout, dev,
+                                          self._what())
+        except CollectiveError:
+            self._failed = "a rank died or hung (see the first error)"
+            raise
+        self.compressor._count_check(2 * 8 * len(vals))
+        if hi[1] != lo[1] or hi[2] != lo[2] or hi[3] != lo[3]:
+            # Rare path, taken by every rank alike: one more collective names the ranks.
+            rows = _comm.gather_rows([-1 if v is None else v for v in vals],
+                                     self.process_group, self.timeout, dev)
+            where = ", ".join(
+                f"rank {r}: " + ("joined" if row[0] == 0 else f"local step {row[3]}")
+                + f", {row[1]} synchronisations done" for r, row in enumerate(rows))
+            raise self._fail(CollectiveError(
+                f"{self._what()}: the ranks reached this synchronisation at different "
+                f"points ({where}). Every rank must call step() (or advance()) the same "
+                f"number of times and synchronize() at the same local step. Usual causes: "
+                f"uneven inputs (a rank ran out of batches: wrap the training loop in "
+                f"`with opt.join():`, or agree on the number of steps up front); "
+                f"synchronize() called on some ranks only (e.g. in an evaluation block on "
+                f"rank 0); a step skipped without advance(). Nothing was synchronised; "
+                f"restart every rank from the last checkpoint"))
+        return {"any_active": hi[0] == 1, "unsynced": hi[4] == 1}
+
+    def _sync_collectives(self) -> None:
         comp = self.compressor
+        what = self._what()
         futs = []
-        for i, g in enumerate(self._groups):
-            layout = comp.layout_for(lambda g=g: g.key, lambda key, g=g: (g.outer.device,
-                                                                          torch.float32),
-                                     f"parameter group {i}", g.outer.device)
-            # pseudo-gradient = outer - local, into the scratch buffer
-            torch._foreach_copy_(g.scratch_views, g.params)
-            torch.sub(g.outer, g.scratch, out=g.scratch)
-            futs.append(comp.synchronize(layout, g.scratch, weight=g.outer,
-                                         warmup_dtype=comp.value_dtype or torch.float32))
-        comp.end_step()
-        for g, fut in zip(self._groups, futs):
-            avg = fut.wait()
+        try:
+            for i, g in enumerate(self._groups):
+                layout = comp.layout_for(lambda g=g: g.key,
+                                         lambda key, g=g: (g.outer.device, torch.float32),
+                                         f"parameter group {i}", g.outer.device)
+                # pseudo-gradient = outer - local, into the scratch buffer
+                torch._foreach_copy_(g.scratch_views, g.params)
+                torch.sub(g.outer, g.scratch, out=g.scratch)
+                futs.append(comp.synchronize(layout, g.scratch, weight=g.outer,
+                                             warmup_dtype=comp.value_dtype or torch.float32))
+            comp.end_step()
+            # Every group's result first: a failed collective raises here, before any
+            # parameter is written (no group is applied from a partly failed sync).
+            avgs = [_comm.wait(fut, what, self.timeout) for fut in futs]
+        except CollectiveError as exc:
+            if not str(exc).startswith("SlimDPOptimizer"):
+                exc = CollectiveError(f"{what}: {exc}")
+            raise self._fail(exc) from exc.__cause__
+        except Exception as exc:  # the compressor state may be half-updated: stop here
+            self._fail(exc)
+            raise
+        for g, avg in zip(self._groups, avgs):
             # A parameter that was non-finite on some rank comes back NaN: skip its update.
             # (nan_to_num to 0 is where(isfinite(avg), avg, 0), in one op)
             avg = avg.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
@@ -364,6 +501,60 @@ class SlimDPOptimizer:
             torch._foreach_copy_(g.params, g.outer_views)
         self.syncs += 1
         self._synced_at = self.local_step
+
+    @contextlib.contextmanager
+    def join(self):
+        """Context manager for uneven inputs: ranks may run different numbers of steps.
+
+        A rank whose loop inside the block ends first *shadows* the others'
+        synchronisations when it leaves the block (like DDP's ``join()``): it
+        takes part in every synchronisation the other ranks still do, sending
+        the local progress it had not synchronised yet and then nothing new
+        (its error feedback residual still drains), and applies the same outer
+        step, so its outer parameters stay identical. When every rank has left
+        its loop, one last synchronisation runs if any rank has unsynchronised
+        local steps, and every rank leaves the block with identical parameters.
+        A rank that finished waits up to ``timeout`` seconds per synchronisation
+        of the others (the time ``sync_every`` steps take must stay below it).
+
+        Example::
+
+            with opt.join():
+                for x, y in loader:        # loaders of different lengths per rank
+                    opt.zero_grad()
+                    loss_fn(model(x), y).backward()
+                    opt.step()
+            # here: every rank synchronised, replicas identical
+
+        The alternative without ``join()``: agree on the number of steps up front
+        (e.g. ``n = min over ranks of len(loader)`` with one all-reduce MIN) and
+        run exactly ``n`` steps on every rank.
+
+        Raises:
+            CollectiveError: as :meth:`synchronize` (e.g. a rank not inside
+                ``join()`` ran out of batches, or a rank died).
+            RuntimeError: ``join()`` entered while already joined.
+        """
+        self._check_usable()
+        if self._joined:
+            raise RuntimeError("SlimDPOptimizer.join() is already active (it cannot nest)")
+        self._joined = True
+        try:
+            yield self
+        except BaseException:
+            self._joined = False
+            raise
+        try:
+            with torch.no_grad():
+                while True:
+                    seen = self._agree(joined=True)
+                    if not seen["any_active"]:
+                        if seen["unsynced"]:
+                            self._sync_collectives()  # the last one, every rank together
+                        break
+                    self._sync_collectives()  # shadow an active rank's synchronisation
+        finally:
+            self._joined = False
 
     @contextlib.contextmanager
     def outer_weights(self):

@@ -28,6 +28,10 @@ BUDGET = 12
 REFRESH_BUDGET = 30
 QUANT_BUDGET = 30
 SIZES = (10, 130)  # parameters per model (one bucket)
+#: per synchronisation (not per bucket) SlimDPOptimizer adds its counter agreement (issue
+#: 23): the int64 vector (1 op) and its all-reduce (1 collective); its host read is of a
+#: CPU tensor here (no dispatched op), a device-to-host copy of 80 bytes on a GPU
+SYNC_CHECK_OPS = 2
 
 
 def make_model(nparams):
@@ -139,5 +143,6 @@ def test_hook_step_has_no_host_sync_and_constant_ops(mode):
 def test_optimizer_sync_has_no_host_sync_and_constant_ops(compression, bits):
     results = {n: run_workers(_opt_counts, 2, n, compression, bits, timeout=300)[0]
                for n in SIZES}
-    budget = QUANT_BUDGET if bits else BUDGET
-    _check(results, warmup=0, refresh=3, budget=budget, refresh_budget=max(budget, REFRESH_BUDGET))
+    budget = (QUANT_BUDGET if bits else BUDGET) + SYNC_CHECK_OPS  # one bucket per sync here
+    _check(results, warmup=0, refresh=3, budget=budget,
+           refresh_budget=max(budget, REFRESH_BUDGET + SYNC_CHECK_OPS))

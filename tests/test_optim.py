@@ -322,5 +322,7 @@ def test_low_bit_values_replicas_identical_and_bytes(mode, bits, world_size):
             assert torch.equal(a, b)
             assert torch.isfinite(a).all()
     st = res[0][1]["total"]
-    # codes + bf16 scales per 64 values + 4-byte flags, against fp32 dense
-    assert st["bytes_sent"] < st["bytes_dense"] * (bits / 32 + 2 / 64 / 4 + 0.02)
+    # codes + bf16 scales per 64 values + 4-byte flags, against fp32 dense (the per-sync
+    # agreement all-reduce, 80 bytes, is counted apart in check_bytes: this model is tiny)
+    assert st["bytes_sent"] - st["check_bytes"] < \
+        st["bytes_dense"] * (bits / 32 + 2 / 64 / 4 + 0.02)
