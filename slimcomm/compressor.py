@@ -1367,10 +1367,14 @@ def _local(state, layout, buf, world_size, step, weight):
     f2 = _comm.all_gather(all_val, wire, state.group, state._timeout).get_future()
 
     def done(both):
-        # Read both results: value() raises if that all-gather failed, so a failed
-        # collective never decodes its (uninitialised) receive buffers.
+        # wait() on each all-gather: it raises if that collective failed, so a failed
+        # collective never decodes its (uninitialised) receive buffers, and on CUDA it
+        # makes the current stream wait for the gathered tensors. The collect_all
+        # future has no CUDA events of its own and value() does not synchronise, so
+        # reading all_idx / all_val without it raced with gloo's host-to-device
+        # copies (replicas diverged on the H200, bench/results/gpu/...-run2).
         for f in both.value():
-            f.value()
+            f.wait()
         _commit(state, layout, buf, acc, idx, None, step, scale,
                 local=(all_idx, all_val, world_size))
         return buf
