@@ -432,7 +432,14 @@ def build_figure(results: Sequence[Dict[str, Any]], title: Optional[str] = None,
         if kind == "time":
             ax.set_xlabel("training wall time (s" + (", log)" if log_time else ")"))
             if log_time:
+                from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
                 ax.set_xscale("log")
+                # plain numbers at 1, 2, 5 x 10^k: a range of less than a decade otherwise gets
+                # overlapping minor labels in scientific notation
+                ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
             else:
                 ax.set_xlim(left=0)
             if rate_titles is not None and rate in rate_titles:

@@ -672,7 +672,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         print(f"train time and time to {_target_text(results)} per link (the loopback rows are the runs above):")
         print(train_projection.links_table(results))
-        print(projected[0]["link_times"]["assumptions"] + ".")
+        print(train_projection.projection_note(rates, [r["method"] for r in projected]) + ".")
     if args.compare:
         print(f"wrote {', '.join(os.path.join(args.out_dir, m + '.json') for m in methods)}")
     else:
@@ -683,7 +683,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shown = results + [train_projection.link_result(r, slow) for r in projected]
             titles = {None: "loopback (measured, this machine)",
                       slow: f"{train_projection.LINK_NAMES.get(slow, slow)} per link (projected)"}
-            print(f"wrote {plot_results(shown, plot, band=args.plot_band, rate_titles=titles)}")
+            print(f"wrote {plot_results(shown, plot, band=args.plot_band, rate_titles=titles, log_time=True)}")
         else:
             print(f"wrote {plot_results(results, plot, band=args.plot_band)}")
     return 0

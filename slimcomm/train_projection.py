@@ -191,8 +191,11 @@ def _rate_name(rate: str) -> str:
     return LINK_NAMES.get(rate, rate)
 
 
-def projection_note(rates: Sequence[str] = DEFAULT_RATES) -> str:
+def projection_note(rates: Sequence[str] = DEFAULT_RATES, methods: Sequence[str] = ("ddp", "slimdp", "ist")) -> str:
     """One line: what a projected figure assumes (per-link rate, goodput, latency, ring collectives)."""
+    kinds = {k: [m for m in methods if PATTERN.get(m) == k] for k in ("allreduce", "allgather")}
+    how = " / ".join(f"ring {'all-reduce' if k == 'allreduce' else 'all-gather'} ({', '.join(ms)})"
+                     for k, ms in kinds.items() if ms)
     parts = []
     for rate in rates:
         ar, ag = EMULATED_LINKS[rate]["allreduce"], EMULATED_LINKS[rate]["allgather"]
@@ -200,8 +203,7 @@ def projection_note(rates: Sequence[str] = DEFAULT_RATES) -> str:
                      f"all-gather {ag.goodput_bps / 1e6:.0f} Mbit/s, latency {ar.alpha_s * 1e3:.1f}/"
                      f"{ag.alpha_s * 1e3:.1f} ms per hop")
     return ("projected = this run's compute time (its train time minus its collectives at the loopback speed "
-            "it measured after training) + its counted bytes through ring all-reduce (ddp, slimdp) / ring "
-            "all-gather (ist) at " + "; ".join(parts) + " (measured on tbf-emulated links, "
+            "it measured after training) + its counted bytes through " + how + " at " + "; ".join(parts) + " (measured on tbf-emulated links, "
             "bench/results/scale/collbench.md); no overlap of communication with compute")
 
 
@@ -322,7 +324,7 @@ def add_link_times(result: Dict[str, Any], measured_link: Dict[str, Any],
         "measured_link": measured_link,
         "collectives_per_step": collectives_per_step(result),
         "compute_s_per_step": comp[-1][1] / steps,
-        "assumptions": projection_note([r for r in rates if r in EMULATED_LINKS]),
+        "assumptions": projection_note([r for r in rates if r in EMULATED_LINKS], [result["method"]]),
         "links": {rate: project_result(result, rate, ran_on) for rate in rates},
     }
     return result
