@@ -100,7 +100,7 @@ LINK ?= projected
 demo: setup dataset
 ifeq ($(LINK),emulated)
 	@echo "== training an MLP with ddp, slimdp and ist on 2 ranks over emulated 1 Gbit/s and 100 Mbit/s links"
-	@echo "   (root; about 6 minutes on 2 cores); results and plots go to runs/netbench/"
+	@echo "   (root; about 6-8 minutes on 2 cores); results and plots go to runs/netbench/"
 	$(PY) bench/netbench.py --rates 1gbit,100mbit --timed-rates 100mbit --timed-steps 60,ddp=20 \
 	  --methods ddp,slimdp,ist --results-dir runs/netbench --name demo -- $(DEMO_ARGS)
 else

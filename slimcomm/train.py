@@ -103,6 +103,14 @@ step. Time-to-target is the
 test accuracy >= ``--target-acc`` (mlp, cnn) or validation loss <=
 ``--target-loss`` (gpt).
 
+Times on slower links (``--link-times``, default ``1gbit,100mbit`` for
+spawned ranks): after training every rank times a few collectives of the
+method's kind on the link it used (loopback), and rank 0 records under
+``"link_times"`` its compute time (train time minus those collectives) and its
+train time and time-to-target projected onto each rate with the cost model of
+:mod:`slimcomm.train_projection`; the table printed after the comparison marks
+every figure measured or projected.
+
 Modules
 -------
 This module holds the workloads' tasks, the training loop, the results JSON

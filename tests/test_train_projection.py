@@ -151,3 +151,19 @@ def test_projection_matches_measured_sweep_100mbit(method):
     proj, meas = _projected_at(fast, step), _measured_at(slow, step)
     err = proj / meas - 1
     assert abs(err) <= TOLERANCE, f"{method}: projected {proj:.2f} s vs measured {meas:.2f} s ({100 * err:+.0f}%)"
+
+
+def test_demo_settings_give_at_least_ten_evaluations():
+    """`make demo`'s flags (Makefile DEMO_ARGS) parse, and evaluate at least 10 times per method."""
+    import re
+
+    from slimcomm import train as T
+
+    with open(os.path.join(REPO, "Makefile")) as f:
+        m = re.search(r"^DEMO_ARGS := (.*)$", f.read(), re.M)
+    assert m, "Makefile: no DEMO_ARGS line"
+    args = T.build_parser().parse_args(["--compare", "ddp,slimdp,ist", "--world-size", "2"] + m.group(1).split())
+    T.apply_method_defaults(args)
+    steps = args.steps if args.steps is not None else args.epochs * 234  # 234 steps per epoch at batch 128
+    assert args.eval_every > 0 and steps // args.eval_every >= 10
+    assert args.test_subset is not None  # the cheap evaluation the README states
