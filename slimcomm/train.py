@@ -712,7 +712,9 @@ def machine_note(results) -> str:
     except OSError:
         load = "load average unknown"
     threads = sorted({r.get("env", {}).get("threads_per_rank") for r in results} - {None})
-    return (f"train time, time vs ddp and time to target: measured on this machine ({platform.node()}, "
+    what = ("train time, time vs ddp and time to target" if len(results) > 1 and any(r["method"] == "ddp" for r in results)
+            else "train time and time to target")
+    return (f"{what}: measured on this machine ({platform.node()}, "
             f"{os.cpu_count()} cores, {','.join(map(str, threads))} thread(s) per rank, {load} at the end), "
             "so they change with the machine and its load; test acc: the same for the same seed, torch and "
             "threads; MB: exact byte counts, the same on every machine")

@@ -120,7 +120,11 @@ def test_method_result_json(compare_run, method):
     assert lt["measured_link"]["goodput_bps"] > 0 and len(lt["measured_link"]["timings"]) == 3
     slow, fast = lt["links"]["100mbit"], lt["links"]["1gbit"]
     assert [e["step"] for e in slow["evals"]] == [e["step"] for e in res["evals"]]
-    assert slow["train_time_s"] >= fast["train_time_s"] > 0
+    assert slow["train_time_s"] > 0 and fast["train_time_s"] > 0
+    if method == "ddp":  # 24 KB per step: bytes, not the per-hop latency, dominate: the slower link takes longer
+        assert slow["train_time_s"] > fast["train_time_s"]
+    # (smaller payloads: the fitted 1 Gbit/s latency, 0.7 ms per hop, exceeds the 100 Mbit/s one, fitted 0;
+    # on a few KB per step the 1 Gbit/s projection can then be the slower one, see train_projection)
 
 
 def test_same_seed_same_result(compare_run, tmp_path):
@@ -322,6 +326,7 @@ def test_gpt_compare_every_method(gpt_run, small_text):
     r, out = gpt_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    rows = rows[:next((i for i, ln in enumerate(rows) if ln.startswith("| link")), len(rows))]  # first table
     assert rows[0].split("|")[2].strip() == "val loss"
     assert [ln.split("|")[1].strip() for ln in rows[1:]] == LM_METHODS
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
