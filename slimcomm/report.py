@@ -358,7 +358,8 @@ def _y_limits(values: Sequence[float], metric: str) -> Tuple[float, float]:
 
 def build_figure(results: Sequence[Dict[str, Any]], title: Optional[str] = None, *,
                  panels: Sequence[str] = ("time", "bytes"), band: str = "minmax", log_time: bool = False,
-                 target: Optional[float] = None, target_label: Optional[str] = None):
+                 target: Optional[float] = None, target_label: Optional[str] = None,
+                 rate_titles: Optional[Dict[Optional[str], str]] = None):
     """The matplotlib figure behind :func:`plot_results` (for tests and callers that add to it).
 
     One panel per entry of ``panels``: ``"time"`` (metric vs train time) or
@@ -366,7 +367,10 @@ def build_figure(results: Sequence[Dict[str, Any]], title: Optional[str] = None,
     several link rates (``bench/netbench.py``) get one ``"time"`` panel per
     rate; the ``"bytes"`` panel uses the first rate (bytes do not depend on
     the link). Each panel's legend has one entry per configuration
-    (``"label (n seeds)"``) and one for the target line.
+    (``"label (n seeds)"``) and one for the target line. ``rate_titles``
+    names the link of each time panel in its title (rate -> text, ``None``
+    the results without a link rate), e.g. ``{None: "loopback (measured)",
+    "100mbit": "100 Mbit/s per link (projected)"}``.
 
     Raises:
         ValueError: no results, the results mix metrics, or an unknown panel or band.
@@ -428,10 +432,21 @@ def build_figure(results: Sequence[Dict[str, Any]], title: Optional[str] = None,
         if kind == "time":
             ax.set_xlabel("training wall time (s" + (", log)" if log_time else ")"))
             if log_time:
+                from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
                 ax.set_xscale("log")
+                # plain numbers at 1, 2, 5 x 10^k: a range of less than a decade otherwise gets
+                # overlapping minor labels in scientific notation
+                ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
             else:
                 ax.set_xlim(left=0)
-            ax.set_title(f"vs training time{f', {rate} per link' if rate and len(rates) > 1 else ''}", fontsize=10)
+            if rate_titles is not None and rate in rate_titles:
+                where = f", {rate_titles[rate]}"
+            else:
+                where = f", {rate} per link" if rate and len(rates) > 1 else ""
+            ax.set_title(f"vs training time{where}", fontsize=10)
         else:
             ax.set_xlabel("MB sent per rank (log)")
             ax.set_xscale("log")
@@ -451,7 +466,7 @@ def plot_results(results: Sequence[Dict[str, Any]], out_png: str, title: Optiona
     """Write :func:`build_figure`'s PNG to ``out_png`` (folders created); returns the path.
 
     Keyword arguments go to :func:`build_figure` (``panels``, ``band``,
-    ``log_time``, ``target``, ``target_label``).
+    ``log_time``, ``target``, ``target_label``, ``rate_titles``).
 
     Raises:
         ValueError: as :func:`build_figure`.

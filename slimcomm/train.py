@@ -103,6 +103,14 @@ step. Time-to-target is the
 test accuracy >= ``--target-acc`` (mlp, cnn) or validation loss <=
 ``--target-loss`` (gpt).
 
+Times on slower links (``--link-times``, default ``1gbit,100mbit`` for
+spawned ranks): after training every rank times a few collectives of the
+method's kind on the link it used (loopback), and rank 0 records under
+``"link_times"`` its compute time (train time minus those collectives) and its
+train time and time-to-target projected onto each rate with the cost model of
+:mod:`slimcomm.train_projection`; the table printed after the comparison marks
+every figure measured or projected.
+
 Modules
 -------
 This module holds the workloads' tasks, the training loop, the results JSON
@@ -138,6 +146,7 @@ from .workloads import text as text_mod
 from .agreement import agree_across_ranks
 from .report import RESULT_FORMAT, compare_table, compute_config_key, plot_results, setting_summary
 from .wire import WireCounter
+from . import train_projection
 from .train_args import (ADAMW_DEFAULTS, CNN_METHOD_DEFAULTS, GPT_DEFAULTS, LOG_FORMAT, LOG_LEVELS,  # noqa: F401
                          METHOD_DEFAULTS, METHODS, MODELS, SYNC_DEFAULTS, _resolve_launch,
                          apply_method_defaults, build_parser, log_level, setup_logging)
@@ -502,6 +511,9 @@ def _train(rank, world_size, args, device, backend):
         if stop or (args.stop_at_target and time_to_target is not None):
             break
 
+    probe = None
+    if args.link_times and world_size > 1:  # collective: every rank times the same few calls, after training
+        probe = train_projection.probe_link(train_projection.PATTERN[args.method], world_size, device)
     wire_ranks = None
     if wire is not None:  # one small collective after training, outside the counted windows
         wire_ranks = [None] * world_size
@@ -543,6 +555,8 @@ def _train(rank, world_size, args, device, backend):
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
                 "threads_per_rank": args.threads},
     }
+    if probe is not None:
+        train_projection.add_link_times(result, probe, args.link_times)
     if rank == 0:
         _write_json_atomic(result, args.out)
         return result
@@ -659,13 +673,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(setting_summary(results) + "; MB = payload bytes handed to collectives per rank")
     print(compare_table(results))
+    print(machine_note(results))
+    projected = [r for r in results if r.get("link_times")]
+    if projected:
+        rates = list(projected[0]["link_times"]["links"])
+        print()
+        print(f"train time and time to {_target_text(results)} per link (the loopback rows are the runs above):")
+        print(train_projection.links_table(results))
+        print(train_projection.projection_note(rates, [r["method"] for r in projected]) + ".")
     if args.compare:
         print(f"wrote {', '.join(os.path.join(args.out_dir, m + '.json') for m in methods)}")
     else:
         print(f"wrote {args.out}")
     if plot:
-        print(f"wrote {plot_results(results, plot, band=args.plot_band)}")
+        if projected:
+            slow = "100mbit" if "100mbit" in rates else rates[-1]
+            shown = results + [train_projection.link_result(r, slow) for r in projected]
+            titles = {None: "loopback (measured, this machine)",
+                      slow: f"{train_projection.LINK_NAMES.get(slow, slow)} per link (projected)"}
+            print(f"wrote {plot_results(shown, plot, band=args.plot_band, rate_titles=titles, log_time=True)}")
+        else:
+            print(f"wrote {plot_results(results, plot, band=args.plot_band)}")
     return 0
+
+
+def _target_text(results) -> str:
+    for r in results:
+        if r.get("time_to_target"):
+            return f"{r['time_to_target']['target']:g}"
+    cfg = results[0].get("config", {})
+    return f"{cfg['target_acc']:g}" if cfg.get("target_acc") is not None else "target"
+
+
+def machine_note(results) -> str:
+    """One line: which columns depend on this machine (and its load now), which are exact."""
+    try:
+        load = "load average %.1f / %.1f / %.1f (1 / 5 / 15 min)" % os.getloadavg()
+    except OSError:
+        load = "load average unknown"
+    threads = sorted({r.get("env", {}).get("threads_per_rank") for r in results} - {None})
+    what = ("train time, time vs ddp and time to target" if len(results) > 1 and any(r["method"] == "ddp" for r in results)
+            else "train time and time to target")
+    return (f"{what}: measured on this machine ({platform.node()}, "
+            f"{os.cpu_count()} cores, {','.join(map(str, threads))} thread(s) per rank, {load} at the end), "
+            "so they change with the machine and its load; test acc: the same for the same seed, torch and "
+            "threads; MB: exact byte counts, the same on every machine")
 
 
 if __name__ == "__main__":

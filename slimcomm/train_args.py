@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads per rank (default: CPU cores / local ranks)")
     g.add_argument("--timeout", type=_positive_float("--timeout"), default=600.0,
                    help="seconds a collective may wait before the job fails")
+    g.add_argument("--link-times", type=_link_rates, default=None, metavar="RATES",
+                   help="after training, time a few collectives on the link the ranks used (loopback) and project "
+                        "the run's train time onto these emulated link rates (comma-separated, from "
+                        f"{', '.join(_projection_rates())}; 'none' turns it off), from its compute time and its "
+                        "counted bytes (slimcomm.train_projection); default: 1gbit,100mbit for ranks this command "
+                        "spawns, none for externally launched ones (bench/netbench.py measures their link)")
     g.add_argument("--wire-iface", default=None, metavar="IFACE",
                    help="also report the bytes this network interface sent and received (kernel counters) during "
                         "training steps, per rank and per step (bench/netbench.py sets it)")
@@ -330,6 +336,26 @@ def setup_logging(level: str, rank: Optional[int] = None) -> None:
     logging.basicConfig(level=level, format=fmt, stream=sys.stderr, force=True)
 
 
+def _projection_rates():
+    from .train_projection import EMULATED_LINKS
+
+    return tuple(EMULATED_LINKS)
+
+
+def _link_rates(s: str):
+    """``--link-times``: ``"1gbit,100mbit"`` -> ("1gbit", "100mbit"); ``"none"`` -> ()."""
+    if s.strip().lower() == "none":
+        return ()
+    rates = tuple(r.strip() for r in s.split(",") if r.strip())
+    known = _projection_rates()
+    bad = [r for r in rates if r not in known]
+    if not rates or bad:
+        raise argparse.ArgumentTypeError(f"unknown link rate(s) {bad or s!r}; choose from {', '.join(known)} or none")
+    if len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"lists a rate twice: {s!r}")
+    return rates
+
+
 def _slimcomm_version() -> str:
     from ._version import __version__
 
@@ -363,6 +389,10 @@ def _resolve_launch(args: argparse.Namespace) -> None:
         args.local_rank = None
         args.local_world_size = args.world_size
     args.external = external
+    if args.link_times is None:
+        from .train_projection import DEFAULT_RATES
+
+        args.link_times = () if external else tuple(DEFAULT_RATES)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("error: --device cuda but torch.cuda.is_available() is False")

@@ -57,9 +57,25 @@ def test_compare_exits_zero_and_prints_table(compare_run):
     r, out, png = compare_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    rows = [ln for ln in lines if ln.startswith("| ")]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| method"))
+    rows = []
+    for ln in lines[start:]:  # the comparison table: up to its last row
+        if not ln.startswith("|"):
+            break
+        if ln.startswith("| "):
+            rows.append(ln)
     assert rows[0].split("|")[1].strip() == "method"
     assert [ln.split("|")[1].strip() for ln in rows[1:]] == METHODS
+    # the per-link table: every method measured on loopback, projected on 1 Gbit/s and 100 Mbit/s
+    link_rows = [[c.strip() for c in ln.split("|")[1:-1]] for ln in lines
+                 if ln.startswith("| ") and not ln.startswith("| link") and ln.split("|")[1].strip()
+                 in ("loopback", "1 Gbit/s", "100 Mbit/s")]
+    assert [(c[0], c[1]) for c in link_rows] == [(link, m) for link in ("loopback", "1 Gbit/s", "100 Mbit/s")
+                                                 for m in METHODS]
+    assert {c[-1] for c in link_rows[:len(METHODS)]} == {"measured (this machine)"}
+    assert {c[-1] for c in link_rows[len(METHODS):]} == {"projected"}
+    assert any(ln.startswith("projected = this run's compute time") for ln in lines)
+    assert any(ln.startswith("train time, time vs ddp and time to target: measured on this machine") for ln in lines)
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any(ln.startswith("digits, MLP 48-48 (5,962 params), 2 ranks, 1 epoch(s)") for ln in lines)
     assert f"INFO slimcomm.train: results go to {out}" in r.stderr  # logged at the default level INFO
@@ -98,6 +114,17 @@ def test_method_result_json(compare_run, method):
         assert res["stats"]["total"]["bytes_sent"] == sent
     if method == "ist":
         assert res["stats"]["rounds"] >= steps // 10
+    # the loopback the ranks used was timed after training; the projected times keep its compute and bytes
+    lt = res["link_times"]
+    assert lt["measured_link"]["kind"] == ("allgather" if method in ("topk", "ist") else "allreduce")
+    assert lt["measured_link"]["goodput_bps"] > 0 and len(lt["measured_link"]["timings"]) == 3
+    slow, fast = lt["links"]["100mbit"], lt["links"]["1gbit"]
+    assert [e["step"] for e in slow["evals"]] == [e["step"] for e in res["evals"]]
+    assert slow["train_time_s"] > 0 and fast["train_time_s"] > 0
+    if method == "ddp":  # 24 KB per step: bytes, not the per-hop latency, dominate: the slower link takes longer
+        assert slow["train_time_s"] > fast["train_time_s"]
+    # (smaller payloads: the fitted 1 Gbit/s latency, 0.7 ms per hop, exceeds the 100 Mbit/s one, fitted 0;
+    # on a few KB per step the 1 Gbit/s projection can then be the slower one, see train_projection)
 
 
 def test_same_seed_same_result(compare_run, tmp_path):
@@ -299,6 +326,7 @@ def test_gpt_compare_every_method(gpt_run, small_text):
     r, out = gpt_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
+    rows = rows[:next((i for i, ln in enumerate(rows) if ln.startswith("| link")), len(rows))]  # first table
     assert rows[0].split("|")[2].strip() == "val loss"
     assert [ln.split("|")[1].strip() for ln in rows[1:]] == LM_METHODS
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,405 @@
+"""Train time on slower links: the alpha-beta cost model of ring collectives and the demo's projection.
+
+Part of the training command (:mod:`slimcomm.train`), not of the library
+core; the module imports torch only inside :func:`probe_link`, so
+``bench/costmodel.py`` (which fits and validates the same model on the
+network benchmark's runs) imports the model from here: there is one cost
+model in the repository.
+
+Model (per rank, Hockney's alpha-beta model of ring collectives; Thakur,
+Rabenseifner & Gropp, IJHPCA 2005, section 2), :class:`LinkModel`:
+
+* ring all-reduce of ``B`` bytes: ``2 (W-1) alpha + 2 (W-1)/W * 8 B / goodput``
+* ring all-gather of ``b`` bytes per rank: ``(W-1) alpha + (W-1) * 8 b / goodput``
+
+A run's time on another link (:func:`project_result`): the training command
+measures every run's train time at each evaluation and counts the payload
+bytes each rank handed to collectives up to it (exact). Its *compute* time up
+to an evaluation is the measured train time minus the modelled time of its
+collectives on the link it ran on (a spawned run: loopback, whose alpha and
+goodput the run measures after training with a few timed collectives of
+its own kind, :func:`probe_link`). The time on a link ``L`` is that
+compute time plus the modelled time of the same collectives (the counted
+bytes; :func:`collectives_per_step` collectives per step for the latency
+term) on ``L``. The links are :data:`EMULATED_LINKS`: 2-rank gloo collectives
+measured on this project's tbf-emulated 100 Mbit/s and 1 Gbit/s links
+(``bench/collbench.py``, ``bench/results/scale/collbench.json``; one fit per
+collective kind, because gloo's 2-rank all-gather moves its bytes at 70% of
+the all-reduce's goodput there). ``tests/test_train_projection.py`` checks the
+constants against that file and the projection against the committed measured
+2-rank netbench runs.
+
+Known artefact: the 100 Mbit/s fits give no per-hop latency (small messages
+beat the large-message line there) and the 1 Gbit/s ones 0.7-0.8 ms, so on a
+payload of a few KB per step the projected 1 Gbit/s time exceeds the
+100 Mbit/s one; on the demo's MLP (0.23-23 MB per step) the latency is a
+fraction of a percent.
+
+What it does not model: compute that changes with the link (it does not: a
+step's collectives are not overlapped with computation, one DDP bucket holds
+the MLP), a machine whose load changes between the runs compared (the
+compute time is this run's), queueing of several links on one switch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["PATTERN", "LinkModel", "fit_link", "collectives_per_step", "EMULATED_LINKS", "LINK_NAMES",
+           "DEFAULT_RATES", "probe_link", "run_compute_s", "project_result", "add_link_times", "link_result",
+           "links_table", "projection_note"]
+
+#: how each method's traffic moves: collective kind (the latency/goodput terms of :class:`LinkModel`)
+PATTERN = {
+    "ddp": "allreduce", "fp16": "allreduce", "powersgd": "allreduce", "slimdp": "allreduce",
+    "diloco": "allreduce", "topk": "allgather", "sparseloco": "allgather", "ist": "allgather",
+    "slimdp-local": "allgather",
+}
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """alpha-beta parameters of one link rate.
+
+    Attributes:
+        alpha_s: latency per ring hop (seconds).
+        goodput_bps: effective rate ``eta * R`` (bits/s) the payload moves at.
+    """
+
+    alpha_s: float
+    goodput_bps: float
+
+    def allreduce_s(self, nbytes: float, world_size: int, collectives: float = 1.0) -> float:
+        """Seconds for ``collectives`` ring all-reduces totalling ``nbytes`` bytes on ``world_size`` ranks."""
+        w = world_size
+        return collectives * 2 * (w - 1) * self.alpha_s + 2 * (w - 1) / w * 8 * nbytes / self.goodput_bps
+
+    def allgather_s(self, nbytes: float, world_size: int, collectives: float = 1.0) -> float:
+        """Seconds for ``collectives`` ring all-gathers of ``nbytes`` bytes per rank in total."""
+        w = world_size
+        return collectives * (w - 1) * self.alpha_s + (w - 1) * 8 * nbytes / self.goodput_bps
+
+    def collective_s(self, kind: str, nbytes: float, world_size: int, collectives: float = 1.0) -> float:
+        if kind == "allreduce":
+            return self.allreduce_s(nbytes, world_size, collectives)
+        if kind == "allgather":
+            return self.allgather_s(nbytes, world_size, collectives)
+        raise ValueError(f"kind: expected 'allreduce' or 'allgather', got {kind!r}")
+
+
+def _coeffs(kind: str, nbytes: float, world_size: int, collectives: float) -> Tuple[float, float]:
+    """(multiplier of alpha, multiplier of 1/goodput) of one observation."""
+    w = world_size
+    if kind == "allreduce":
+        return collectives * 2 * (w - 1), 2 * (w - 1) / w * 8 * nbytes
+    if kind == "allgather":
+        return collectives * (w - 1), (w - 1) * 8 * nbytes
+    raise ValueError(f"kind: expected 'allreduce' or 'allgather', got {kind!r}")
+
+
+def fit_link(obs: Sequence[Tuple[str, float, int, float, float]]) -> LinkModel:
+    """Least-squares alpha and goodput from collective timings.
+
+    Args:
+        obs: ``(kind, nbytes, world_size, collectives, seconds)`` per
+            observation: the time of ``collectives`` collectives of ``kind``
+            moving ``nbytes`` bytes (per rank, in total) on ``world_size``
+            ranks.
+
+    Returns:
+        the :class:`LinkModel` minimising the squared error (exact on data
+        generated by a :class:`LinkModel`); a negative fitted alpha is
+        clipped to 0.
+
+    Raises:
+        ValueError: fewer than two distinct message sizes (alpha and the
+            goodput cannot both be identified: the model refuses to
+            extrapolate), a non-positive fitted goodput, or a bad observation.
+    """
+    rows = []
+    for o in obs:
+        if len(o) != 5:
+            raise ValueError(f"obs: expected (kind, nbytes, world_size, collectives, seconds), got {o!r}")
+        kind, nbytes, w, n, t = o
+        if not (nbytes >= 0 and w >= 2 and n > 0 and t >= 0):
+            raise ValueError(f"obs: bad observation {o!r} (nbytes >= 0, world_size >= 2, collectives > 0, "
+                             f"seconds >= 0)")
+        rows.append((*_coeffs(kind, nbytes, w, n), t))
+    sizes = {round(r[1], 6) for r in rows}
+    if len(sizes) < 2:
+        raise ValueError(f"obs: {len(rows)} observation(s) with {len(sizes)} distinct message size(s); "
+                         f"fitting alpha and the goodput needs at least two sizes")
+    # normal equations of t = a * alpha + x * inv_goodput
+    saa = sum(a * a for a, _, _ in rows)
+    sax = sum(a * x for a, x, _ in rows)
+    sxx = sum(x * x for _, x, _ in rows)
+    sat = sum(a * t for a, _, t in rows)
+    sxt = sum(x * t for _, x, t in rows)
+    det = saa * sxx - sax * sax
+    if abs(det) <= 1e-12 * max(1.0, saa * sxx):
+        raise ValueError("obs: the observations do not separate latency from bandwidth (collinear sizes)")
+    alpha = (sat * sxx - sax * sxt) / det
+    inv_g = (saa * sxt - sax * sat) / det
+    if inv_g <= 0:
+        raise ValueError(f"obs: fitted goodput is not positive (1/goodput = {inv_g:g}); the times do not grow "
+                         f"with the message size")
+    return LinkModel(alpha_s=max(0.0, alpha), goodput_bps=1.0 / inv_g)
+
+
+def collectives_per_step(run: Dict) -> float:
+    """Collectives one step issues (amortised for the local-step methods), from the run's settings:
+    one per DDP bucket (two for PowerSGD's P and Q, and for top-k's index + value all-gathers);
+    IST / DiLoCo-style methods one per synchronisation."""
+    cfg, m = run["config"], run["method"]
+    dense = run["dense_bytes_per_step"]
+    cap = float(cfg.get("bucket_cap_mb") or 25.0) * 2 ** 20
+    # slimcomm.train passes bucket_cap_mb to DDP explicitly, so DDP's first bucket has the same cap
+    # (its 1 MiB first bucket applies only when bucket_cap_mb is left unset)
+    buckets = max(1, math.ceil(dense / cap))
+    if m in ("ddp", "fp16"):
+        return float(buckets)
+    if m == "slimdp":  # + the 64-byte core-set all-reduce per bucket at every core refresh
+        return buckets * (1.0 + 1.0 / max(1, cfg.get("core_refresh") or 10))
+    if m in ("powersgd", "topk"):
+        return 2.0 * buckets
+    if m == "ist":
+        return 1.0 / max(1, cfg.get("local_steps") or 1)
+    return 1.0 / max(1, cfg.get("sync_every") or 1)
+
+
+# ---------------------------------------------------------------------------
+# The links the demo reports
+# ---------------------------------------------------------------------------
+
+#: rate -> collective kind -> :class:`LinkModel`: 2-rank gloo collectives on this project's
+#: tbf-emulated links, idle gap 300 ms before each call (the largest measured, closest to a
+#: training step's compute between collectives), fitted per kind with :func:`fit_link` on
+#: ``bench/results/scale/collbench.json`` (2026-12-01; 256 B-16 MiB messages, 2-core machine).
+EMULATED_LINKS: Dict[str, Dict[str, LinkModel]] = {
+    "1gbit": {"allreduce": LinkModel(alpha_s=0.71e-3, goodput_bps=976.7e6),
+              "allgather": LinkModel(alpha_s=0.84e-3, goodput_bps=726.5e6)},
+    "100mbit": {"allreduce": LinkModel(alpha_s=0.0, goodput_bps=89.23e6),
+                "allgather": LinkModel(alpha_s=0.0, goodput_bps=62.03e6)},
+}
+EMULATED_LINKS_SOURCE = ("2-rank gloo collectives measured on tbf-emulated links (bench/results/scale/collbench.json, "
+                         "fit per collective kind)")
+
+LINK_NAMES = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s"}
+DEFAULT_RATES = ("1gbit", "100mbit")
+
+
+def _rate_name(rate: str) -> str:
+    return LINK_NAMES.get(rate, rate)
+
+
+def projection_note(rates: Sequence[str] = DEFAULT_RATES, methods: Sequence[str] = ("ddp", "slimdp", "ist")) -> str:
+    """One line: what a projected figure assumes (per-link rate, goodput, latency, ring collectives)."""
+    kinds = {k: [m for m in methods if PATTERN.get(m) == k] for k in ("allreduce", "allgather")}
+    how = " / ".join(f"ring {'all-reduce' if k == 'allreduce' else 'all-gather'} ({', '.join(ms)})"
+                     for k, ms in kinds.items() if ms)
+    parts = []
+    for rate in rates:
+        ar, ag = EMULATED_LINKS[rate]["allreduce"], EMULATED_LINKS[rate]["allgather"]
+        parts.append(f"{_rate_name(rate)} per rank's link: all-reduce goodput {ar.goodput_bps / 1e6:.0f} Mbit/s, "
+                     f"all-gather {ag.goodput_bps / 1e6:.0f} Mbit/s, latency {ar.alpha_s * 1e3:.1f}/"
+                     f"{ag.alpha_s * 1e3:.1f} ms per hop")
+    return ("projected = this run's compute time (its train time minus its collectives at the loopback speed "
+            "it measured after training) + its counted bytes through " + how + " at " + "; ".join(parts) + " (measured on tbf-emulated links, "
+            "bench/results/scale/collbench.md); no overlap of communication with compute")
+
+
+# ---------------------------------------------------------------------------
+# Measuring the link a run used
+# ---------------------------------------------------------------------------
+
+PROBE_BYTES = (1 << 18, 1 << 22, 1 << 24)
+"""Message sizes of :func:`probe_link` (256 KiB, 4 MiB, 16 MiB)."""
+
+
+def probe_link(kind: str, world_size: int, device=None, sizes: Sequence[int] = PROBE_BYTES, reps: int = 3,
+               group=None) -> Dict[str, Any]:
+    """Time ``reps`` collectives of ``kind`` per message size on the current process group; fit them.
+
+    Collective: every rank must call it with the same arguments. Each call follows a barrier and
+    is timed from there to its return on this rank; the per-size median enters :func:`fit_link`.
+
+    Returns:
+        ``{"kind", "alpha_s", "goodput_bps", "timings": [{"bytes", "median_s"}]}``; the fit is the
+        one of rank 0's timings (every rank returns its own, rank 0's is what the results record).
+
+    Raises:
+        ValueError: ``world_size`` < 2 or an unknown ``kind``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if world_size < 2:
+        raise ValueError(f"probe_link: needs at least 2 ranks, got {world_size}")
+    if kind not in ("allreduce", "allgather"):
+        raise ValueError(f"kind: expected 'allreduce' or 'allgather', got {kind!r}")
+    timings = []
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        outs = [torch.empty_like(x) for _ in range(world_size)] if kind == "allgather" else None
+        ts = []
+        for _ in range(reps):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            if kind == "allreduce":
+                dist.all_reduce(x, group=group)
+            else:
+                dist.all_gather(outs, x, group=group)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            ts.append(time.perf_counter() - t0)
+        timings.append({"bytes": int(x.numel() * 4), "median_s": statistics.median(ts)})
+    lm = fit_link([(kind, t["bytes"], world_size, 1.0, t["median_s"]) for t in timings])
+    return {"kind": kind, "alpha_s": lm.alpha_s, "goodput_bps": lm.goodput_bps, "timings": timings}
+
+
+# ---------------------------------------------------------------------------
+# Projection of one results dict
+# ---------------------------------------------------------------------------
+
+def _link_of(result: Dict[str, Any], links: Optional[Dict[str, Dict[str, LinkModel]]], rate: str) -> LinkModel:
+    kind = PATTERN[result["method"]]
+    if links is not None and rate in links:
+        return links[rate][kind]
+    if rate == "loopback":
+        own = (result.get("link_times") or {}).get("measured_link")
+        if not own:
+            raise ValueError(f"{result['method']} run: no measured link (link_times.measured_link) to take "
+                             "its own collectives out of its train time")
+        return LinkModel(own["alpha_s"], own["goodput_bps"])
+    return EMULATED_LINKS[rate][kind]
+
+
+def _points(result: Dict[str, Any]) -> List[Tuple[int, float, float]]:
+    """``(step, train_time_s, bytes_sent_per_rank)`` of every evaluation, then of the last step."""
+    pts = [(int(e["step"]), float(e["train_time_s"]), float(e["bytes_sent_per_rank"])) for e in result["evals"]]
+    f = result["final"]
+    last = (int(result["steps"]), float(f["train_time_s"]), float(f["bytes_sent_per_rank"]))
+    if not pts or pts[-1][0] != last[0]:
+        pts.append(last)
+    return pts
+
+
+def run_compute_s(result: Dict[str, Any], ran_on: LinkModel) -> List[Tuple[int, float, float]]:
+    """``(step, compute seconds, bytes)`` up to every evaluation of ``result``: its measured train
+    time minus the modelled time of its collectives on ``ran_on``, the link it ran on (never below 0)."""
+    kind = PATTERN[result["method"]]
+    w = int(result["world_size"])
+    per_step = collectives_per_step(result)
+    return [(k, max(0.0, t - ran_on.collective_s(kind, b, w, per_step * k)), b) for k, t, b in _points(result)]
+
+
+def project_result(result: Dict[str, Any], rate: str, ran_on: LinkModel,
+                   links: Optional[Dict[str, Dict[str, LinkModel]]] = None) -> Dict[str, Any]:
+    """``result``'s train time on the link ``rate`` (:data:`EMULATED_LINKS` unless ``links`` has it).
+
+    ``ran_on``: the link ``result`` was measured on (its loopback :func:`probe_link` fit, or an
+    emulated link's model). Returns ``{"rate", "source": "projected", "train_time_s",
+    "time_to_target_s", "evals": [{"step", "train_time_s"}]}``; ``time_to_target_s`` is the projected
+    time of the evaluation that first reached the target (None if none did).
+    """
+    link = _link_of(result, links, rate)
+    kind = PATTERN[result["method"]]
+    w = int(result["world_size"])
+    per_step = collectives_per_step(result)
+    at = {k: c + link.collective_s(kind, b, w, per_step * k) for k, c, b in run_compute_s(result, ran_on)}
+    ttt = result.get("time_to_target")
+    return {"rate": rate, "source": "projected",
+            "train_time_s": at[int(result["steps"])],
+            "time_to_target_s": at[int(ttt["step"])] if ttt else None,
+            "evals": [{"step": int(e["step"]), "train_time_s": at[int(e["step"])]} for e in result["evals"]]}
+
+
+def add_link_times(result: Dict[str, Any], measured_link: Dict[str, Any],
+                   rates: Sequence[str] = DEFAULT_RATES) -> Dict[str, Any]:
+    """Record, in place, ``result["link_times"]``: the link the run measured (``measured_link``, a
+    :func:`probe_link` dict), its compute per step, and its projected time at every ``rate``."""
+    ran_on = LinkModel(measured_link["alpha_s"], measured_link["goodput_bps"])
+    comp = run_compute_s(result, ran_on)
+    steps = max(1, int(result["steps"]))
+    result["link_times"] = {
+        "measured_link": measured_link,
+        "collectives_per_step": collectives_per_step(result),
+        "compute_s_per_step": comp[-1][1] / steps,
+        "assumptions": projection_note([r for r in rates if r in EMULATED_LINKS], [result["method"]]),
+        "links": {rate: project_result(result, rate, ran_on) for rate in rates},
+    }
+    return result
+
+
+def link_result(result: Dict[str, Any], rate: str) -> Dict[str, Any]:
+    """A copy of ``result`` as if it had run on ``rate``: evaluation, final and time-to-target times
+    replaced by its ``link_times`` projection, and ``"link": {"rate", "source"}`` (for the plots,
+    which draw one time panel per link rate)."""
+    p = result["link_times"]["links"][rate]
+    r = copy.deepcopy(result)
+    by_step = {e["step"]: e["train_time_s"] for e in p["evals"]}
+    for e in r["evals"]:
+        e["train_time_s"] = by_step[int(e["step"])]
+    r["final"]["train_time_s"] = p["train_time_s"]
+    if r.get("time_to_target"):
+        r["time_to_target"]["train_time_s"] = p["time_to_target_s"]
+    r["link"] = {"rate": rate, "source": p["source"]}
+    return r
+
+
+# ---------------------------------------------------------------------------
+# The demo's table
+# ---------------------------------------------------------------------------
+
+def _fmt_x(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.3g}x"
+
+
+def links_table(results: Sequence[Dict[str, Any]], baseline: str = "ddp", fmt: str = "github") -> str:
+    """One row per (link, method): train time, time to target, speed-ups against ``baseline`` on the
+    same link, and whether the figure is measured or projected.
+
+    The loopback rows are the runs' own measured times; the other links come from each result's
+    ``link_times`` (:func:`add_link_times`). Results without ``link_times`` give loopback rows only.
+    """
+    from tabulate import tabulate
+
+    rates: List[str] = []
+    for r in results:
+        for rate in (r.get("link_times") or {}).get("links", {}):
+            if rate not in rates:
+                rates.append(rate)
+    tgt = next((r["time_to_target"]["target"] for r in results if r.get("time_to_target")), None)
+    if tgt is None:
+        tgt = next((r.get("config", {}).get("target_acc") for r in results
+                    if r.get("config", {}).get("target_acc") is not None), None)
+    tname = f"time to {tgt:g} (s)" if tgt is not None else "time to target (s)"
+    ratios = len(results) > 1 and any(r["method"] == baseline for r in results)
+    headers = (["link", "method", "train time (s)"] + ([f"time vs {baseline}"] if ratios else []) + [tname]
+               + ([f"speed-up to target vs {baseline}"] if ratios else []) + ["figure"])
+
+    def figures(r, rate):
+        if rate == "loopback":
+            t = r.get("time_to_target")
+            return r["final"]["train_time_s"], (t["train_time_s"] if t else None), "measured (this machine)"
+        p = r["link_times"]["links"][rate]
+        src = "measured (emulated link)" if p["source"] == "measured" else "projected"
+        return p["train_time_s"], p["time_to_target_s"], src
+
+    rows = []
+    for rate in ["loopback"] + rates:
+        have = [r for r in results if rate == "loopback" or rate in (r.get("link_times") or {}).get("links", {})]
+        base = next((r for r in have if r["method"] == baseline), None)
+        bt, bttt = (figures(base, rate)[:2] if base is not None else (None, None))
+        for r in have:
+            t, ttt, src = figures(r, rate)
+            rows.append([_rate_name(rate), r.get("label") or r["method"], f"{t:.1f}"]
+                        + ([_fmt_x(t / bt) if bt else "-"] if ratios else [])
+                        + [f"{ttt:.1f}" if ttt is not None else "not reached"]
+                        + ([_fmt_x(bttt / ttt) if (bttt is not None and ttt) else "-"] if ratios else []) + [src])
+    return tabulate(rows, headers=headers, tablefmt=fmt, disable_numparse=True)
