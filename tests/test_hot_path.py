@@ -27,6 +27,9 @@ from slimcomm.hooks import SlimDPState, slim_dp_hook
 BUDGET = 12
 REFRESH_BUDGET = 30
 QUANT_BUDGET = 30
+#: SlimDPOptimizer.synchronize's guard against a non-finite pseudo-gradient (issue 23):
+#: linalg_vector_norm(inf) + lt + where per group, and the host's view of the flag (detach)
+OPT_NONFINITE_OPS = 4
 SIZES = (10, 130)  # parameters per model (one bucket)
 
 
@@ -139,5 +142,6 @@ def test_hook_step_has_no_host_sync_and_constant_ops(mode):
 def test_optimizer_sync_has_no_host_sync_and_constant_ops(compression, bits):
     results = {n: run_workers(_opt_counts, 2, n, compression, bits, timeout=300)[0]
                for n in SIZES}
-    budget = QUANT_BUDGET if bits else BUDGET
-    _check(results, warmup=0, refresh=3, budget=budget, refresh_budget=max(budget, REFRESH_BUDGET))
+    budget = (QUANT_BUDGET if bits else BUDGET) + OPT_NONFINITE_OPS
+    _check(results, warmup=0, refresh=3, budget=budget,
+           refresh_budget=max(budget, REFRESH_BUDGET + OPT_NONFINITE_OPS))
