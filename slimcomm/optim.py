@@ -31,15 +31,31 @@ Usage (no DDP wrapper needed; every rank runs the same code)::
 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
     opt = SlimDPOptimizer(model, inner, sync_every=8, core_ratio=0.05, explore_ratio=0.05)
-    for x, y in loader:
+    model.load_state_dict(pretrained)  # optional; before the first step (any rank(s))
+    for step, (x, y) in enumerate(loader, 1):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # local gradient
         opt.step()                   # inner step; every 8th call also synchronises
-    opt.synchronize()                # before evaluating or saving: replicas identical
+        if step % 1000 == 0:         # evaluate / checkpoint the global model: on any ranks
+            with torch.no_grad(), opt.outer_weights() as m:
+                evaluate(m)
+                torch.save(m.state_dict(), "global.pt")   # inside the block (or clone)
+            torch.save(opt.state_dict(), f"opt-rank{rank}.pt")  # each rank its own, to resume
+    opt.synchronize()                # end of training, every rank: replicas identical
+
+``outer_weights()`` is the one way to look at the global model during
+training: it needs no communication (rank 0 alone may evaluate), and it
+refuses to nest or to run ``synchronize()``/``step()`` inside. Calling
+``synchronize()`` yourself mid-training is a collective (on one rank it
+hangs) and an extra outer step, so it is only for the end of training.
 
 With a ``GradScaler``: ``scaler.step(opt.inner); scaler.update(); opt.advance()``
-(a step skipped on one rank must still be counted on every rank).
+(a step skipped on one rank must still be counted on every rank). Without
+one, a non-finite step on some rank (an inf loss) costs that rank's
+contribution to one synchronisation and resets its inner optimizer state
+(see :meth:`SlimDPOptimizer.synchronize`); float16 parameters with Adam's
+default ``eps`` are refused.
 """
 
 from __future__ import annotations
@@ -97,12 +113,24 @@ class SlimDPOptimizer:
     Args:
         model: the ``nn.Module`` trained (or a DDP wrapper, whose ``module``
             is used; use DDP's ``no_sync()`` for the local steps then).
-            Every parameter with ``requires_grad`` is synchronised; position
-            ``i`` is the ``i``-th such parameter of ``named_parameters()``.
-            Parameters are broadcast from rank 0 at construction (like DDP),
-            so replicas start identical; buffers (e.g. BatchNorm statistics)
-            are broadcast once and not synchronised afterwards.
-        inner: the inner optimizer, built over exactly those parameters.
+            Every parameter with ``requires_grad`` at construction is
+            synchronised; position ``i`` is the ``i``-th such parameter of
+            ``named_parameters()``. Parameters (trainable and frozen) and
+            buffers (e.g. BatchNorm statistics) are broadcast from rank 0 at
+            construction (like DDP), so replicas start identical; buffers and
+            frozen parameters are not synchronised afterwards. Weights loaded
+            into the model after construction and before the first inner step
+            (on every rank, or on rank 0 only) are the starting point: the
+            outer copy follows the model until this rank's first inner step,
+            and the first synchronisation makes rank 0's starting point
+            everyone's (each rank's pseudo-gradient stays relative to its own
+            start). Loading weights into the model later is overwritten at the
+            next synchronisation (use :meth:`load_state_dict` to resume).
+        inner: the inner optimizer, built over exactly those parameters
+            (frozen parameters of the model may be in it too; they must stay
+            frozen). Groups added later with ``add_param_group`` or a frozen
+            parameter unfrozen later are refused at the next
+            synchronisation: construct a new ``SlimDPOptimizer``.
         sync_every: ``H``, inner steps between synchronisations (>= 1).
         compression: ``"shared"`` (Slim-DP, one all-reduce of the values at an
             index set identical on every rank), ``"local"`` (per-rank top-k,
@@ -144,8 +172,11 @@ class SlimDPOptimizer:
 
     Raises:
         ValueError: an argument out of range, ``inner`` not over the model's
-            trainable parameters (raised on the rank that sees it; the other
-            ranks raise a RuntimeError instead of waiting).
+            trainable parameters, float16 parameters in an Adam-type group
+            (``betas`` and ``eps``) whose ``eps`` is below float16's smallest
+            normal number 6.1e-05 (its updates are inf/NaN) (raised on the
+            rank that sees it; the other ranks raise a RuntimeError instead of
+            waiting).
     """
 
     def __init__(
