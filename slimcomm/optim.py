@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import warnings
+import weakref
 import zlib
 from typing import Any, Dict, List, Optional
 
@@ -278,7 +279,14 @@ class SlimDPOptimizer:
         self._pending: collections.deque = collections.deque()
         self._nonfinite_syncs = 0
         self._warned_nonfinite = False
-        self._hook = inner.register_step_pre_hook(self._before_inner_step)
+        me = weakref.ref(self)   # the hook must not keep this object alive through inner
+
+        def before_inner_step(optimizer, args, kwargs):
+            opt = me()
+            if opt is not None:
+                opt._before_inner_step()
+
+        self._hook = inner.register_step_pre_hook(before_inner_step)
         self._frozen = True
 
     _FROZEN = frozenset(("sync_every", "compression", "outer_lr", "outer_momentum", "nesterov",
@@ -367,7 +375,7 @@ class SlimDPOptimizer:
             _broadcast_flat([p for _, p in self._frozen_named] + list(self._module.buffers()),
                             self._src(), self.process_group)
 
-    def _before_inner_step(self, optimizer, args, kwargs) -> None:
+    def _before_inner_step(self) -> None:
         """Pre-step hook of ``inner`` (every inner step, also through a GradScaler): O(1)
         host work, no tensor op except at the first step (outer copy := parameters)."""
         if self._in_outer:
@@ -549,12 +557,13 @@ class SlimDPOptimizer:
         for dev, flags in bad.items():
             if dev.type == "cpu":
                 parts.append((flags, None))      # fresh tensors every synchronisation
-            else:
+            elif dev.type == "cuda":             # into pinned memory, no stream sync
                 host = torch.stack(flags).to("cpu", non_blocking=True)
-                ev = torch.cuda.Event() if dev.type == "cuda" else None
-                if ev is not None:
-                    ev.record()
+                ev = torch.cuda.Event()
+                ev.record()
                 parts.append((host, ev))
+            else:                                # other accelerators: a blocking copy
+                parts.append((torch.stack(flags).cpu(), None))
         self._pending.append((self.syncs, parts))
 
     def _drain_flags(self, wait: bool) -> None:
