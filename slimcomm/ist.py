@@ -660,6 +660,11 @@ class ISTTrainer:
     model makes EVERY rank raise instead of hanging in a later collective.
     Then, with ``broadcast_model=True`` (default, as DDP does), the full model
     is broadcast from group rank 0 so all ranks start from the same weights.
+    The first :meth:`step` re-reads the model (broadcasting it from rank 0
+    again with ``broadcast_model=True``), so weights loaded into the model
+    after construction, like after wrapping a model in DDP, are the starting
+    point; after that the trainer owns the model until the next
+    synchronisation (a load mid-round is overwritten by it).
     :meth:`step` and :meth:`synchronize` are collective too: all ranks must
     call them the same number of times.
 
@@ -773,9 +778,13 @@ class ISTTrainer:
         self._check_bytes = 0
         self._failed: Optional[str] = None
         self._joined = False
-        if self._distributed and broadcast_model and self._world_size > 1:
+        self._broadcast = self._distributed and broadcast_model and self._world_size > 1
+        if self._broadcast:
             self._broadcast_model()
         self._begin_round()
+        # Until the first step the model is re-read (and re-broadcast) there: weights loaded
+        # into the model after construction are the starting point, as with DDP.
+        self._reread = True
 
     # -- setup ---------------------------------------------------------------
 
@@ -1040,6 +1049,8 @@ class ISTTrainer:
                 f"inputs is {str(inputs.dtype).replace('torch.', '')} on {inputs.device}; the "
                 f"model is {str(plan.dtype).replace('torch.', '')} on {plan.device}"
             )
+        if self._reread:
+            self._reread_model()
         self._subnet.train(self.model.training)
         self._optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(self._subnet(inputs), targets)
@@ -1053,6 +1064,19 @@ class ISTTrainer:
         if self._local_step >= self.local_steps:
             self.synchronize()
         return value
+
+    def _reread_model(self) -> None:
+        """First step after construction: the model as it is now (rank 0's, broadcast
+        again when ``broadcast_model``) refills the round's subnet in place; the
+        optimizer is kept (re-created only if the subnet had to be rebuilt)."""
+        self._reread = False
+        if self._broadcast:
+            self._broadcast_model()
+        before = self._subnet
+        full = [getattr(self.model[s.module], s.name) for s in self._plan.slices]
+        self._subnet = self._fill_subnet(full)
+        if self._subnet is not before:
+            self._optimizer = self._factory(self._subnet.parameters())
 
     def synchronize(self) -> None:
         """End the round now: exchange the trained slices, then repartition.
@@ -1289,6 +1313,7 @@ class ISTTrainer:
         self._steps = int(state["stats"]["steps"])
         self._payload_bytes = int(state["payload_bytes"])
         self._wire_bytes = int(state["wire_bytes"])
+        self._reread = False   # the checkpoint is the starting point
         self._begin_round()
         if mid:
             self._subnet.load_state_dict(state["subnet"])

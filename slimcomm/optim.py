@@ -31,23 +31,42 @@ Usage (no DDP wrapper needed; every rank runs the same code)::
 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
     opt = SlimDPOptimizer(model, inner, sync_every=8, core_ratio=0.05, explore_ratio=0.05)
-    for x, y in loader:
+    model.load_state_dict(pretrained)  # optional; before the first step (any rank(s))
+    for step, (x, y) in enumerate(loader, 1):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # local gradient
         opt.step()                   # inner step; every 8th call also synchronises
-    opt.synchronize()                # on every rank: replicas identical
+        if step % 1000 == 0:         # evaluate / checkpoint the global model: on any ranks
+            with torch.no_grad(), opt.outer_weights() as m:
+                evaluate(m)
+                torch.save(m.state_dict(), "global.pt")   # inside the block (or clone)
+            torch.save(opt.state_dict(), f"opt-rank{rank}.pt")  # each rank its own, to resume
+    opt.synchronize()                # end of training, every rank: replicas identical
+
+``outer_weights()`` is the one way to look at the global model during
+training: it needs no communication (rank 0 alone may evaluate), and it
+refuses to nest or to run ``synchronize()``/``step()`` inside. Calling
+``synchronize()`` yourself mid-training is a collective (on one rank it
+hangs) and an extra outer step, so it is only for the end of training.
 
 With a ``GradScaler``: ``scaler.step(opt); scaler.update()`` (a step the scaler
 skips on one rank is still counted; the same as ``scaler.step(opt.inner);
-opt.advance()``). Uneven inputs (ranks with different numbers of batches): run
-the loop inside ``with opt.join():``. A rank that dies or hangs makes every
-other rank raise :class:`CollectiveError` within ``timeout`` seconds.
+opt.advance()``). Without one, a non-finite step on some rank (an inf loss)
+costs that rank's contribution to one synchronisation and resets its inner
+optimizer state (see :meth:`SlimDPOptimizer.synchronize`); float16 parameters
+with Adam's default ``eps`` are refused. Uneven inputs (ranks with different
+numbers of batches): run the loop inside ``with opt.join():``. A rank that dies
+or hangs makes every other rank raise :class:`CollectiveError` within
+``timeout`` seconds.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import warnings
+import weakref
 import zlib
 from typing import Any, Dict, List, Optional
 
@@ -70,7 +89,7 @@ class _Group:
     """One flat run of parameters: outer copy, scratch, momentum, views."""
 
     __slots__ = ("positions", "params", "outer", "outer_views", "scratch", "scratch_views",
-                 "momentum", "key")
+                 "momentum", "key", "reset_at")
 
     def __init__(self, positions: List[int], params: List[torch.Tensor], momentum: bool):
         self.positions = positions
@@ -87,6 +106,7 @@ class _Group:
             self.scratch_views.append(self.scratch[off:off + p.numel()].view(p.shape))
             off += p.numel()
         self.momentum = torch.zeros(n, dtype=torch.float32, device=dev) if momentum else None
+        self.reset_at = -1   # the synchronisation at which this rank last reset its inner state
 
 
 class SlimDPOptimizer:
@@ -99,12 +119,24 @@ class SlimDPOptimizer:
     Args:
         model: the ``nn.Module`` trained (or a DDP wrapper, whose ``module``
             is used; use DDP's ``no_sync()`` for the local steps then).
-            Every parameter with ``requires_grad`` is synchronised; position
-            ``i`` is the ``i``-th such parameter of ``named_parameters()``.
-            Parameters are broadcast from rank 0 at construction (like DDP),
-            so replicas start identical; buffers (e.g. BatchNorm statistics)
-            are broadcast once and not synchronised afterwards.
-        inner: the inner optimizer, built over exactly those parameters.
+            Every parameter with ``requires_grad`` at construction is
+            synchronised; position ``i`` is the ``i``-th such parameter of
+            ``named_parameters()``. Parameters (trainable and frozen) and
+            buffers (e.g. BatchNorm statistics) are broadcast from rank 0 at
+            construction (like DDP), so replicas start identical; buffers and
+            frozen parameters are not synchronised afterwards. Weights loaded
+            into the model after construction and before the first inner step
+            (on every rank, or on rank 0 only) are the starting point: the
+            outer copy follows the model until this rank's first inner step,
+            and the first synchronisation makes rank 0's starting point
+            everyone's (each rank's pseudo-gradient stays relative to its own
+            start). Loading weights into the model later is overwritten at the
+            next synchronisation (use :meth:`load_state_dict` to resume).
+        inner: the inner optimizer, built over exactly those parameters
+            (frozen parameters of the model may be in it too; they must stay
+            frozen). Groups added later with ``add_param_group`` or a frozen
+            parameter unfrozen later are refused at the next
+            synchronisation: construct a new ``SlimDPOptimizer``.
         sync_every: ``H``, inner steps between synchronisations (>= 1).
         compression: ``"shared"`` (Slim-DP, one all-reduce of the values at an
             index set identical on every rank), ``"local"`` (per-rank top-k,
@@ -160,8 +192,11 @@ class SlimDPOptimizer:
 
     Raises:
         ValueError: an argument out of range, ``inner`` not over the model's
-            trainable parameters (raised on the rank that sees it; the other
-            ranks raise a RuntimeError instead of waiting).
+            trainable parameters, float16 parameters in an Adam-type group
+            (``betas`` and ``eps``) whose ``eps`` is below float16's smallest
+            normal number 6.1e-05 (its updates are inf/NaN) (raised on the
+            rank that sees it; the other ranks raise a RuntimeError instead of
+            waiting).
     """
 
     def __init__(
@@ -249,7 +284,33 @@ class SlimDPOptimizer:
                 "or models; construct it with the same arguments on every rank")
         views = [v for g in self._groups for v in g.outer_views]
         self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
+        # Parameters frozen at construction (broadcast like DDP, never synchronised; one
+        # unfrozen later is refused at the next synchronisation) and inner's size, to
+        # refuse parameters added later with add_param_group.
+        self._names = [n for n, _ in named]
+        self._frozen_named = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._inner_size = _inner_size(inner)
         self._broadcast_initial_state()
+        # Until this rank's first inner step the outer copy follows the model (weights loaded
+        # after construction are the starting point, as with DDP); the first synchronisation
+        # makes rank 0's starting point everyone's (see _adopt_rank0_start).
+        self._start_pending = True
+        self._adopt_start = True
+        self._in_outer = False
+        # Non-finite pseudo-gradients: per-sync device flags read on the host without a sync.
+        self._zero = {g.outer.device: torch.zeros((), dtype=torch.float32, device=g.outer.device)
+                      for g in self._groups}
+        self._pending: collections.deque = collections.deque()
+        self._nonfinite_syncs = 0
+        self._warned_nonfinite = False
+        me = weakref.ref(self)   # the hook must not keep this object alive through inner
+
+        def before_inner_step(optimizer, args, kwargs):
+            opt = me()
+            if opt is not None:
+                opt._before_inner_step()
+
+        self._hook = inner.register_step_pre_hook(before_inner_step)
         self._frozen = True
 
     _FROZEN = frozenset(("sync_every", "compression", "outer_lr", "outer_momentum", "nesterov",
@@ -285,15 +346,29 @@ class SlimDPOptimizer:
                 not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        everything = {id(p) for p in module.parameters()}
         mine = {id(p) for p in module.parameters() if p.requires_grad}
         theirs = {id(p) for g in inner.param_groups for p in g["params"]}
         if not mine:
             raise ValueError("model has no parameters with requires_grad")
-        if mine != theirs:
+        # Frozen parameters of the model may be in inner (torch optimizers skip parameters
+        # without a gradient); unfreezing one later is refused at the next synchronisation.
+        if theirs - everything or mine - theirs:
             raise ValueError(
                 f"inner must optimize exactly the model's trainable parameters: "
-                f"{len(theirs - mine)} of inner's parameters are not in the model and "
-                f"{len(mine - theirs)} of the model's are not in inner")
+                f"{len(theirs - everything)} of inner's parameters are not in the model and "
+                f"{len(mine - theirs)} of the model's trainable ones are not in inner")
+        for i, g in enumerate(inner.param_groups):
+            eps = g.get("eps")
+            if "betas" in g and isinstance(eps, (int, float)) and eps < _FP16_TINY and \
+                    any(p.dtype == torch.float16 for p in g["params"]):
+                raise ValueError(
+                    f"inner ({type(inner).__name__}): parameter group {i} holds float16 "
+                    f"parameters with eps={eps!r}, below float16's smallest normal number "
+                    f"{_FP16_TINY:.3g}: eps rounds to 0 and the second moments underflow, so "
+                    f"the updates are inf/NaN and every synchronisation would discard them. "
+                    f"Keep the parameters in float32 (torch.autocast for float16 compute, with "
+                    f"a GradScaler on opt.inner) or bfloat16, or use eps >= {_FP16_TINY:.3g}")
 
     def _make_groups(self, named, bucket_cap_mb) -> List[_Group]:
         cap = int(bucket_cap_mb * 2**20)
@@ -310,7 +385,8 @@ class SlimDPOptimizer:
         return [_Group(g, [named[i][1] for i in g], momentum) for g in groups]
 
     def _broadcast_initial_state(self) -> None:
-        """Rank 0's parameters and buffers everywhere; outer copy := parameters."""
+        """Rank 0's parameters (trainable and frozen) and buffers everywhere;
+        outer copy := parameters."""
         group, t = self.process_group, self.timeout
         what = "SlimDPOptimizer: the broadcast of rank 0's parameters at construction"
         with torch.no_grad():
@@ -318,8 +394,72 @@ class SlimDPOptimizer:
                 torch._foreach_copy_(g.outer_views, g.params)
                 _comm.wait(_comm.broadcast(g.outer, 0, group, t), what, t)
                 torch._foreach_copy_(g.params, g.outer_views)
-            for b in self._module.buffers():
-                _comm.wait(_comm.broadcast(b, 0, group, t), what, t)
+            _broadcast_flat([p for _, p in self._frozen_named] + list(self._module.buffers()),
+                            group, t, what)
+
+    def _before_inner_step(self) -> None:
+        """Pre-step hook of ``inner`` (every inner step, also through a GradScaler): O(1)
+        host work, no tensor op except at the first step (outer copy := parameters)."""
+        if self._in_outer:
+            raise RuntimeError(
+                "SlimDPOptimizer: an inner step inside outer_weights() would train the outer "
+                "parameters and then be discarded when the block exits; step after the block")
+        if self._start_pending:
+            self._take_start()
+
+    def _take_start(self) -> None:
+        """Outer copy := the model's parameters (before this rank's first inner step)."""
+        with torch.no_grad():
+            for g in self._groups:
+                torch._foreach_copy_(g.outer_views, g.params)
+        self._start_pending = False
+
+    def _adopt_rank0_start(self) -> None:
+        """First synchronisation: rank 0's starting point becomes every rank's.
+
+        Each rank's local parameters are shifted by (rank 0's start - its own start),
+        so its pseudo-gradient is still relative to where it started, and the outer
+        copies (and frozen parameters) are rank 0's: weights loaded after
+        construction, on every rank or on rank 0 only, give identical replicas.
+        Identical starts leave the parameters bit-identical. One broadcast per group,
+        once per run.
+        """
+        group, t = self.process_group, self.timeout
+        what = f"{self._what()}: the broadcast of rank 0's starting point"
+        with torch.no_grad():
+            for g in self._groups:
+                g.scratch.copy_(g.outer)
+                _comm.wait(_comm.broadcast(g.outer, 0, group, t), what, t)
+                torch.sub(g.outer, g.scratch, out=g.scratch)
+                torch._foreach_add_(g.params, g.scratch_views)
+            _broadcast_flat([p for _, p in self._frozen_named], group, t, what)
+        self._adopt_start = False
+
+    def _check_parameters_unchanged(self) -> None:
+        """Host-only checks at each synchronisation (O(frozen parameters + groups))."""
+        size = _inner_size(self.inner)
+        if size != self._inner_size:
+            raise RuntimeError(
+                f"SlimDPOptimizer: inner holds {size[1]} parameters in {size[0]} groups, "
+                f"{self._inner_size[1]} in {self._inner_size[0]} at construction (add_param_group "
+                f"after constructing SlimDPOptimizer?); only the parameters given at "
+                f"construction are synchronised: add every parameter group to inner first, then "
+                f"construct SlimDPOptimizer")
+        thawed = [n for n, p in self._frozen_named if p.requires_grad]
+        if thawed:
+            raise RuntimeError(
+                f"SlimDPOptimizer: parameters frozen (requires_grad=False) at construction are "
+                f"trainable now: {thawed[:5]}{' ...' if len(thawed) > 5 else ''}; only the "
+                f"parameters trainable at construction are synchronised, so these would train "
+                f"locally and drift apart across ranks. Unfreeze them before constructing "
+                f"SlimDPOptimizer (construct a new one, with an inner optimizer over them)")
+
+    def _forbid_in_outer(self, what: str) -> None:
+        if self._in_outer:
+            raise RuntimeError(
+                f"SlimDPOptimizer.{what} inside outer_weights(): the model holds the outer "
+                f"parameters there and this rank's local ones are set aside until the block "
+                f"exits; call it after the block")
 
     # ---------------------------------------------------------------- stepping
     @property
@@ -343,8 +483,13 @@ class SlimDPOptimizer:
         found inf/NaN on this rank -- but the step is counted either way, so the
         ranks' synchronisation schedules cannot drift apart. (Equivalent to
         ``scaler.step(opt.inner); opt.advance()``.)
+
+        Raises:
+            RuntimeError: inside :meth:`outer_weights`.
+            CollectiveError: after a failed synchronisation.
         """
         self._check_usable()
+        self._forbid_in_outer("step()")
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None:  # called by GradScaler.step(self)
             if closure is not None:
@@ -372,8 +517,12 @@ class SlimDPOptimizer:
 
         Call on every rank after every inner step, also one a ``GradScaler``
         skipped. Returns whether it synchronised.
+
+        Raises:
+            RuntimeError: inside :meth:`outer_weights`.
         """
         self._check_usable()
+        self._forbid_in_outer("advance()")
         self.local_step += 1
         if self.local_step % self.sync_every == 0:
             self.synchronize()
@@ -385,10 +534,23 @@ class SlimDPOptimizer:
         """Outer step now (collective): compress and average the pseudo-gradients,
         step the outer parameters, set every rank's parameters to them.
 
-        Called by :meth:`advance` every ``sync_every`` steps; call it yourself
-        before evaluating or checkpointing at another step, on every rank at
-        the same local step. A no-op when no local step happened since the last
-        synchronisation.
+        Called by :meth:`advance` every ``sync_every`` steps. Calling it yourself
+        is a collective (every rank alike, or the others hang) and an extra outer
+        step (outer momentum included): do it once at the end of training, on
+        every rank, to make the local parameters the global ones. To evaluate or
+        checkpoint the global model during training use :meth:`outer_weights`
+        (no communication, any subset of ranks). A no-op when no local step
+        happened since the last synchronisation.
+
+        A rank whose pseudo-gradient in a parameter group is non-finite (NaN/inf
+        somewhere, e.g. after an inf loss without a ``GradScaler``) sends zeros
+        for that whole group instead (the average still divides by the world
+        size), and resets its inner optimizer's state of those
+        parameters (to a fresh optimizer's: empty) so that its next steps are
+        finite again; its local parameters are set to the new outer ones like
+        every rank's. The first occurrence warns (``RuntimeWarning``);
+        ``stats["nonfinite_syncs"]`` counts them. No host sync: on a GPU the
+        host learns of it (and resets the state) one synchronisation later.
 
         Each synchronisation starts with one agreement all-reduce of 5 int64
         counters (80 bytes, one host read, once per ``sync_every`` steps; in
@@ -409,10 +571,16 @@ class SlimDPOptimizer:
                 counted with :meth:`advance`). The model is left as it was
                 before this synchronisation, and the optimizer refuses further
                 use (restart from a checkpoint).
+            RuntimeError: inside :meth:`outer_weights`; ``inner`` gained
+                parameters (``add_param_group``) or a parameter frozen at
+                construction was unfrozen (on the ranks where that happened;
+                the other ranks raise CollectiveError after ``timeout``).
         """
         self._check_usable()
+        self._forbid_in_outer("synchronize()")
         if self.local_step == self._synced_at:
             return
+        self._check_parameters_unchanged()
         self._agree(joined=False)
         self._sync_collectives()
 
@@ -463,9 +631,14 @@ class SlimDPOptimizer:
         return {"any_active": hi[0] == 1, "unsynced": hi[4] == 1}
 
     def _sync_collectives(self) -> None:
+        if self._start_pending:      # no inner step ran on this rank (e.g. GradScaler skips)
+            self._take_start()
+        if self._adopt_start:
+            self._adopt_rank0_start()
         comp = self.compressor
         what = self._what()
         futs = []
+        bad: Dict[torch.device, List[torch.Tensor]] = {}   # per device: finite flags
         try:
             for i, g in enumerate(self._groups):
                 layout = comp.layout_for(lambda g=g: g.key,
@@ -474,6 +647,11 @@ class SlimDPOptimizer:
                 # pseudo-gradient = outer - local, into the scratch buffer
                 torch._foreach_copy_(g.scratch_views, g.params)
                 torch.sub(g.outer, g.scratch, out=g.scratch)
+                # Non-finite on this rank: send zeros instead (branchless, 3 ops; the largest
+                # |x| is NaN or inf iff some coordinate is)
+                ok = torch.linalg.vector_norm(g.scratch, float("inf")) < float("inf")
+                torch.where(ok, g.scratch, self._zero[g.outer.device], out=g.scratch)
+                bad.setdefault(g.outer.device, []).append(ok)
                 futs.append(comp.synchronize(layout, g.scratch, weight=g.outer,
                                              warmup_dtype=comp.value_dtype or torch.float32))
             comp.end_step()
@@ -499,8 +677,72 @@ class SlimDPOptimizer:
                 upd = avg
             g.outer.sub_(upd, alpha=self.outer_lr)
             torch._foreach_copy_(g.params, g.outer_views)
+        self._publish_flags(bad)
         self.syncs += 1
         self._synced_at = self.local_step
+        self._drain_flags(wait=False)
+
+    # ---------------------------------------------------------------- non-finite steps
+    def _publish_flags(self, bad: Dict[torch.device, List[torch.Tensor]]) -> None:
+        """Queue this synchronisation's per-group finite flags (bool, True = finite) for
+        the host: on a
+        GPU one ``stack`` and one non-blocking copy to pinned memory per device, and
+        an event; on the CPU the flags are host memory already (read with numpy,
+        which dispatches nothing)."""
+        parts = []
+        for dev, flags in bad.items():
+            if dev.type == "cpu":
+                parts.append((flags, None))      # fresh tensors every synchronisation
+            elif dev.type == "cuda":             # into pinned memory, no stream sync
+                host = torch.stack(flags).to("cpu", non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                parts.append((host, ev))
+            else:                                # other accelerators: a blocking copy
+                parts.append((torch.stack(flags).cpu(), None))
+        self._pending.append((self.syncs, parts))
+
+    def _drain_flags(self, wait: bool) -> None:
+        """Handle the queued flags whose copies are done (all of them if ``wait``)."""
+        while self._pending:
+            index, parts = self._pending[0]
+            if not wait and any(ev is not None and not ev.query() for _, ev in parts):
+                break
+            for _, ev in parts:
+                if ev is not None:
+                    ev.synchronize()
+            self._pending.popleft()
+            flags = [not f for host, _ in parts
+                     for t in (host if isinstance(host, list) else [host])
+                     for f in t.numpy().reshape(-1)]
+            self._handle_nonfinite(index, flags)
+
+    def _handle_nonfinite(self, index: int, flags: List[bool]) -> None:
+        """Synchronisation ``index`` had these per-group non-finite flags (device order)."""
+        if not any(flags):
+            return
+        self._nonfinite_syncs += 1
+        groups = [g for dev in self._zero for g in self._groups if g.outer.device == dev]
+        hit = [g for g, f in zip(groups, flags) if f]
+        current = self.syncs - 1
+        names = []
+        for g in hit:
+            if index > g.reset_at:   # not caused by a state this rank has already reset
+                for p in g.params:
+                    self.inner.state.pop(p, None)
+                g.reset_at = current
+            names.extend(self._names[pos] for pos in g.positions)
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            rank = dist.get_rank(self.process_group)
+            warnings.warn(
+                f"SlimDPOptimizer: rank {rank}: non-finite pseudo-gradient (NaN/inf local "
+                f"parameters, e.g. after an inf loss without a GradScaler) at synchronisation "
+                f"{index} in {len(names)} parameter(s) ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}): this rank sent zeros for them, reset "
+                f"its inner optimizer state of those parameters and continues from the outer "
+                f"ones. Later occurrences are only counted, in stats['nonfinite_syncs']",
+                RuntimeWarning, stacklevel=4)
 
     @contextlib.contextmanager
     def join(self):
@@ -558,17 +800,49 @@ class SlimDPOptimizer:
 
     @contextlib.contextmanager
     def outer_weights(self):
-        """Context manager: the model holds the outer (global) parameters inside it,
-        identical on every rank, and its local parameters again afterwards. For
-        evaluating the global model between synchronisations (DiLoCo's
-        evaluation); no communication."""
+        """Context manager: the model holds the outer (global) parameters inside it.
+
+        The one way to evaluate or checkpoint the global model during training::
+
+            with torch.no_grad(), opt.outer_weights() as model:   # any subset of ranks
+                val_loss = evaluate(model)
+                if rank == 0:
+                    torch.save(model.state_dict(), "global.pt")    # saved inside the block
+
+        The outer parameters are those of the last synchronisation (before the
+        first one: the starting point), identical on every rank; the local
+        progress since then is not in them. No communication, so it is correct
+        on one rank (e.g. rank 0 evaluating alone) or on all. On exit the model
+        holds this rank's local parameters again, in place: a
+        ``model.state_dict()`` taken inside holds references that show the
+        local parameters after the block, so save it (or ``clone()`` its
+        tensors) inside. ``opt.state_dict()`` inside is the same as outside
+        (this rank's local parameters, set aside while in the block). Buffers
+        (e.g. BatchNorm statistics) stay this rank's. Yields the model.
+
+        Raises:
+            RuntimeError: nested in another ``outer_weights()`` block;
+                :meth:`step`, :meth:`advance`, :meth:`synchronize`,
+                :meth:`load_state_dict` or an inner step (``opt.inner.step()``,
+                ``scaler.step(opt.inner)``) inside the block.
+        """
+        if self._in_outer:
+            raise RuntimeError(
+                "SlimDPOptimizer.outer_weights() is already active: nested blocks would set "
+                "this rank's local parameters aside twice and lose them; use one block")
+        if self._start_pending:   # no inner step yet: the model itself is the starting point
+            with torch.no_grad():
+                for g in self._groups:
+                    torch._foreach_copy_(g.outer_views, g.params)
         with torch.no_grad():
             for g in self._groups:
                 torch._foreach_copy_(g.scratch_views, g.params)
                 torch._foreach_copy_(g.params, g.outer_views)
+        self._in_outer = True
         try:
             yield self._module
         finally:
+            self._in_outer = False
             with torch.no_grad():
                 for g in self._groups:
                     torch._foreach_copy_(g.params, g.scratch_views)
@@ -578,10 +852,22 @@ class SlimDPOptimizer:
     def stats(self) -> Dict[str, Any]:
         """The compressor's stats (``total``/``last``: ``bytes_sent`` per rank,
         ``bytes_dense``, ``density``, ...; one "step" = one synchronisation)
-        plus ``local_steps`` and ``syncs``."""
+        plus ``local_steps``, ``syncs`` and ``nonfinite_syncs`` (synchronisations
+        at which this rank's pseudo-gradient was non-finite in some parameter
+        group, so it sent zeros there; see :meth:`synchronize`). Reading it
+        synchronises with the device."""
         st = self.compressor.stats
         st["local_steps"] = self.local_step
         st["syncs"] = self.syncs
+        pending = 0
+        for _, parts in self._pending:   # not yet seen by the host (GPU): count, handle later
+            for host, ev in parts:
+                if ev is not None:
+                    ev.synchronize()
+            pending += any(not f for host, _ in parts
+                           for t in (host if isinstance(host, list) else [host])
+                           for f in t.numpy().reshape(-1))
+        st["nonfinite_syncs"] = self._nonfinite_syncs + pending
         return st
 
     # ---------------------------------------------------------------- checkpoint
@@ -589,17 +875,27 @@ class SlimDPOptimizer:
         """This rank's state: inner optimizer, outer parameters and momentum,
         compressor (residuals: per rank), this rank's local parameters (they
         differ from the outer ones between synchronisations, and the
-        constructor broadcasts rank 0's), counters. Every rank saves its own;
-        a resume is bit-exact."""
+        constructor broadcasts rank 0's), counters and ``compression``. Every
+        rank saves its own; a resume is bit-exact. Inside :meth:`outer_weights`
+        it is the same as outside (the local parameters set aside there).
+        Tensors are copies (outer, local, momentum) or references (inner,
+        compressor), as in ``torch.optim.Optimizer.state_dict``."""
+        if self._start_pending:   # no inner step yet: the model itself is the starting point
+            self._take_start()
+            self._start_pending = True
         local = []
         with torch.no_grad():
             for g in self._groups:
                 flat = torch.empty_like(g.outer)
+                src = g.scratch_views if self._in_outer else g.params
                 torch._foreach_copy_([flat[a:a + v.numel()].view(v.shape) for a, v in
-                                      zip(_offsets(g.outer_views), g.outer_views)], g.params)
+                                      zip(_offsets(g.outer_views), g.outer_views)], src)
                 local.append(flat)
         return {
             "version": _STATE_VERSION,
+            "compression": self.compression,
+            "nonfinite_syncs": self._nonfinite_syncs,
+            "start_adopted": not self._adopt_start,
             "local_step": self.local_step,
             "syncs": self.syncs,
             "synced_at": self._synced_at,
@@ -622,10 +918,13 @@ class SlimDPOptimizer:
 
         Raises:
             ValueError: unknown version, group sizes that do not match, a
-                malformed entry (raised on the rank that has it).
+                state saved with another ``compression``, a malformed entry
+                (raised on the rank that has it).
             RuntimeError: the state was saved by another rank or world size
-                (on that rank), or another rank's load failed (on the others).
+                (on that rank), or another rank's load failed (on the others);
+                called inside :meth:`outer_weights`.
         """
+        self._forbid_in_outer("load_state_dict()")
         error: Optional[BaseException] = None
         try:
             self._check_state(state_dict)
@@ -652,6 +951,11 @@ class SlimDPOptimizer:
         self.local_step = state_dict["local_step"]
         self.syncs = state_dict["syncs"]
         self._synced_at = state_dict["synced_at"]
+        self._nonfinite_syncs = int(state_dict.get("nonfinite_syncs", 0))
+        self._pending.clear()
+        # The checkpoint's outer copies are the starting point (identical on every rank).
+        self._start_pending = False
+        self._adopt_start = not state_dict.get("start_adopted", True)
 
     def _check_state(self, state_dict: Dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
@@ -663,6 +967,12 @@ class SlimDPOptimizer:
                     "compressor"):
             if key not in state_dict:
                 raise ValueError(f"state_dict lacks {key!r}")
+        saved = state_dict.get("compression", self.compression)
+        if saved != self.compression:
+            raise ValueError(
+                f"state_dict was saved by a SlimDPOptimizer with compression={saved!r}; this "
+                f"one has compression={self.compression!r}: resume with "
+                f"compression={saved!r} (the residuals, index sets and momentum belong to it)")
         for key in ("local_step", "syncs", "synced_at"):
             v = state_dict[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -676,6 +986,31 @@ class SlimDPOptimizer:
                 "owner" not in state_dict["compressor"]:
             raise ValueError("state_dict: 'compressor' lacks its 'owner' (saved by an older "
                              "slimcomm?); start from a fresh SlimDPOptimizer")
+
+
+#: float16's smallest normal number: an Adam eps below it rounds to a subnormal or 0
+_FP16_TINY = float(torch.finfo(torch.float16).tiny)
+
+
+def _inner_size(inner: torch.optim.Optimizer):
+    """(parameter groups, parameters) of ``inner``: O(groups)."""
+    return len(inner.param_groups), sum(len(g["params"]) for g in inner.param_groups)
+
+
+def _broadcast_flat(tensors: List[torch.Tensor], group, timeout: Optional[float],
+                    what: str) -> None:
+    """Broadcast ``tensors`` from group rank 0: one collective per (device, dtype), each
+    waited for (``CollectiveError`` naming ``what`` on failure or after ``timeout``)."""
+    by_kind: Dict[Any, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for same in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            _comm.wait(_comm.broadcast(flat, 0, group, timeout), what, timeout)
+            torch._foreach_copy_([t.detach() for t in same],
+                                 [v.view(t.shape) for v, t in
+                                  zip(flat.split([t.numel() for t in same]), same)])
 
 
 def _offsets(views: List[torch.Tensor]) -> List[int]:

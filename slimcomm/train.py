@@ -46,7 +46,8 @@ synchronisations the method needs before evaluation. It does not depend on the
 collective's algorithm; a ring all-reduce puts ``2 (W - 1) / W`` times this
 payload on each rank's link, an all-gather ``(W - 1)`` times. The cheap scalar
 all-reduces used for evaluation and for the setup agreement check are not
-counted. Per method:
+counted. With ``--world-size 1`` every method reports 0 (a collective over one
+rank sends nothing). Per method:
 
 * ``ddp``: ``4 * P`` bytes per step (``P`` = number of parameters, fp32).
 * ``fp16``: ``2 * P`` bytes per step.
@@ -590,6 +591,19 @@ def _spawn_entry(rank, args, init_method):
     _worker(rank, args, init_method)
 
 
+def _check_corpus(args: argparse.Namespace) -> None:
+    """Load the text corpus and cut every rank's windows once in the parent, so that a bad
+    ``--text-file`` (not UTF-8, too short for ``--block-size`` or for a rank's shard) is one
+    line (``SystemExit``) instead of an error inside every spawned rank's traceback."""
+    try:
+        corpus = text_mod.load_corpus(args.text_file, args.tokens)
+        text_mod.TrainWindows(corpus.train, args.block_size, args.batch_size, 0,  # equal shards
+                              args.world_size, seed=args.seed)
+        text_mod.validation_batches(corpus.val, args.block_size, args.batch_size, args.val_batches)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 # ---------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------
@@ -612,6 +626,8 @@ def run(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
         os.environ["MASTER_ADDR"] = str(args.master_addr)
         os.environ["MASTER_PORT"] = str(args.master_port)
         return _worker(args.rank, args, "env://")
+    if args.model == "gpt":
+        _check_corpus(args)
     import torch.multiprocessing as mp
 
     # A previous result stays in place until rank 0 atomically replaces it, so a

@@ -238,7 +238,10 @@ class _Method:
         return contextlib.nullcontext()
 
     def bytes_sent(self) -> int:
-        """Bytes sent per rank so far, by the module-level definition."""
+        """Bytes sent per rank so far, by the module-level definition (0 with one rank:
+        its collectives have no other rank to send to, whatever the method)."""
+        if self.world_size == 1:
+            return 0
         m = self.name
         if self.sync_optimizer:
             return int(self.opt.stats["total"]["bytes_sent"])

@@ -27,6 +27,9 @@ from slimcomm.hooks import SlimDPState, slim_dp_hook
 BUDGET = 12
 REFRESH_BUDGET = 30
 QUANT_BUDGET = 30
+#: SlimDPOptimizer.synchronize's guard against a non-finite pseudo-gradient (issue 23):
+#: linalg_vector_norm(inf) + lt + where per group, and the host's view of the flag (detach)
+OPT_NONFINITE_OPS = 4
 SIZES = (10, 130)  # parameters per model (one bucket)
 #: per synchronisation (not per bucket) SlimDPOptimizer adds its counter agreement (issue
 #: 23): the int64 vector (1 op) and its all-reduce (1 collective); its host read is of a
@@ -143,6 +146,7 @@ def test_hook_step_has_no_host_sync_and_constant_ops(mode):
 def test_optimizer_sync_has_no_host_sync_and_constant_ops(compression, bits):
     results = {n: run_workers(_opt_counts, 2, n, compression, bits, timeout=300)[0]
                for n in SIZES}
-    budget = (QUANT_BUDGET if bits else BUDGET) + SYNC_CHECK_OPS  # one bucket per sync here
+    extra = SYNC_CHECK_OPS + OPT_NONFINITE_OPS  # one bucket per sync here
+    budget = (QUANT_BUDGET if bits else BUDGET) + extra
     _check(results, warmup=0, refresh=3, budget=budget,
-           refresh_budget=max(budget, REFRESH_BUDGET + SYNC_CHECK_OPS))
+           refresh_budget=max(budget, REFRESH_BUDGET + extra))
