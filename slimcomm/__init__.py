@@ -4,6 +4,8 @@ Two published methods on top of ``torch.distributed``:
 
 * Slim-DP (Sun et al., arXiv 1709.09393) as a DDP communication hook,
   :mod:`slimcomm.hooks` (``slimcomm.SlimDPState``, ``slimcomm.slim_dp_hook``).
+* The same on FSDP2 / HSDP, compressing only the replicate-dimension gradient
+  all-reduce, :mod:`slimcomm.fsdp` (``slimcomm.register_slim_dp_hook``).
 * Independent subnet training, IST (Yuan et al., arXiv 1910.02120),
   :mod:`slimcomm.ist` (``slimcomm.ISTTrainer``).
 
@@ -32,6 +34,8 @@ _LAZY = {
     "slim_dp_hook": ("slimcomm.hooks", "slim_dp_hook"),
     "ISTTrainer": ("slimcomm.ist", "ISTTrainer"),
     "SlimDPOptimizer": ("slimcomm.optim", "SlimDPOptimizer"),
+    "SlimDPFSDPState": ("slimcomm.fsdp", "SlimDPFSDPState"),
+    "register_slim_dp_hook": ("slimcomm.fsdp", "register_slim_dp_hook"),
 }
 
 if _typing.TYPE_CHECKING:  # for type checkers and IDEs; never executed
