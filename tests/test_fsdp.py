@@ -57,7 +57,7 @@ def _train(model, opt, rank, steps, start=0):
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -170,15 +170,18 @@ def test_sparse_replicas_identical_and_layout_invariant():
                 assert torch.equal(x, y), (name, rank)
             st = a["stats"]
             assert st["steps"] == 6
-            if name != "dense_bits2":
-                assert st["last"]["density"] < 0.6, (name, st["last"])
-            assert st["last"]["bytes_sent"] < st["last"]["bytes_dense"] / 2, (name, st["last"])
+            last = st["last"]
+            if name == "dense_bits2":  # every coordinate, 2 bits + a bf16 scale per chunk
+                assert last["density"] == 1.0
+                assert last["bytes_sent"] - last["check_bytes"] < last["bytes_dense"] / 4, last
+            else:
+                assert last["density"] < 0.6, (name, last)
             # residuals of the padded local shard: about half the model per rank
             assert a["residual"] < 0.6 * a["full"], (name, a["residual"], a["full"])
         for peer_a, peer_b in ((0, 2), (1, 3)):  # replicate peers hold identical shards
             for x, y in zip(res[peer_a][name, True]["local"], res[peer_b][name, True]["local"]):
                 assert torch.equal(x, y), name
-        # compression changed the result (the ranks of a replica group differ in shard)
+        # and it trains
         assert res[0][name, True]["loss"][-1] < res[0][name, True]["loss"][0] + 0.5
 
 
