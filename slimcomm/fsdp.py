@@ -299,8 +299,8 @@ class SlimDPFSDPState(SlimDPCompressor):
                 if not _is_plain_fsdp(pg):
                     raise ValueError(
                         f"model: FSDP module {mname or '<root>'!r} is sharded over a 2-D "
-                        f"(HSDP) mesh, so FSDP runs its own dense replicate all-reduce before "
-                        f"any hook. Shard it over the 1-D shard sub-mesh instead, "
+                        f"(HSDP) mesh (or replicated), so FSDP runs its own dense replicate "
+                        f"all-reduce before any hook. Shard it over the 1-D shard sub-mesh instead, "
                         f"fully_shard(module, mesh=mesh['shard']), and pass "
                         f"replicate_group=mesh['replicate']")
                 fps = [fp for fp in pg.fsdp_params if fp.sharded_param.requires_grad]
