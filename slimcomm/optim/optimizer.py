@@ -74,10 +74,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _comm
-from ._comm import CollectiveError
-from .agreement import agree_across_ranks
-from .compressor import SlimDPCompressor
+from .. import _comm
+from .._comm import CollectiveError
+from ..agreement import agree_across_ranks
+from ..compressor import SlimDPCompressor
 
 __all__ = ["SlimDPOptimizer", "COMPRESSIONS", "CollectiveError"]
 

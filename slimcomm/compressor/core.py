@@ -65,9 +65,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _comm, ops
-from .agreement import agree_across_ranks, max_min_across_ranks
-from .codec import BITS, ChunkPlan
+from .. import _comm, ops
+from ..agreement import agree_across_ranks, max_min_across_ranks
+from ..codec import BITS, ChunkPlan
 
 __all__ = ["SlimDPCompressor", "selection_sizes", "explore_rng_offset"]
 
