@@ -14,7 +14,6 @@ from .stats import _new_counts, _new_stats
 
 logger = logging.getLogger(__name__)
 
-
 _STATE_VERSION = 2  # 2: adds "owner" (rank, world size, kind), refused when it does not match
 
 

@@ -8,7 +8,6 @@ import torch.distributed as dist
 from .. import ops
 from ..codec import BITS
 
-
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
