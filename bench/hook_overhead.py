@@ -336,7 +336,7 @@ def _breakdown(args, dev):
     S = len(numels)
     avg = torch.cat([vals, torch.ones(S)]).to(torch.bfloat16)
 
-    def encode():  # as compressor._shared: acc, flags, bf16 payload and next residual in one op
+    def encode():  # as compressor.transports.shared: acc, flags, bf16 payload and next residual in one op
         return ops.step_encode(grad, idx, off_t, 2, torch.bfloat16, acc=acc, residual=residual)
 
     def commit():  # bucket, G and residual from the averaged payload in one op
@@ -347,7 +347,7 @@ def _breakdown(args, dev):
     views = [flat[offsets[s]:offsets[s + 1]] for s in range(len(params))]
     srcs = [p.detach().reshape(-1) for p in params]
 
-    def flat_w():  # as compressor._flat_weight: one multi-tensor copy
+    def flat_w():  # as SlimDPCompressor._flat_weight: one multi-tensor copy
         torch._foreach_copy_(views, srcs)
         return flat
 

@@ -1,0 +1,23 @@
+"""The transports: how one group's values travel, one module each.
+
+Each is a function ``(state, layout, buf, world_size, ...) -> Future`` of ``buf``
+that :meth:`SlimDPCompressor.synchronize <slimcomm.compressor.SlimDPCompressor.synchronize>`
+dispatches to: :mod:`.dense` (plain average), :mod:`.shared` (Slim-DP: one all-reduce
+at the shared index set), :mod:`.local` (per-rank top-k, all-gathered pairs),
+:mod:`.lowbit` (low-bit codes at the shared index set, all-gathered). A new transport
+is one new module here and one branch in ``synchronize``.
+
+Ordering rule: every collective is issued from the caller's thread (for the
+DDP hook, DDP's), never from a future callback (those run on the backend's
+thread, concurrently with the next group's call, so a collective there could
+be matched with a different collective on another rank). Non-finite values
+are therefore signalled in-band: one flag element per position travels with
+the values.
+"""
+
+from .dense import _dense
+from .local import _local
+from .lowbit import _quantised
+from .shared import _shared
+
+__all__ = ["_dense", "_shared", "_local", "_quantised"]

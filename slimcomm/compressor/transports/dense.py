@@ -1,0 +1,45 @@
+"""Dense transport: the plain average of the whole group, one all-reduce."""
+
+import torch
+
+from ... import _comm, ops
+from ..layout import _Layout
+
+
+def _dense(state, layout, buf, world_size, wire_dtype):
+    """Plain average; ``G`` <- the average (parameters whose average is finite).
+
+    With the wire dtype equal to the bucket's (always during warm-up) this is
+    exactly DDP's default hook. After warm-up the values travel in
+    ``value_dtype`` like dense parameters inside mixed buckets do, so a dense
+    parameter is averaged the same way whatever bucket it lands in.
+    """
+    n = buf.numel()
+    if wire_dtype == buf.dtype:
+        wire = buf.div_(world_size)
+    else:
+        wire = buf.float().div_(world_size).to(wire_dtype)
+    state._count(n * buf.element_size(), n * wire.element_size(), n, n, n, 0)
+    fut = _comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
+
+    scale = state._loss_scale(layout)
+
+    def done(f):
+        out = f.value()[0]  # raises if the collective failed: nothing is written then
+        if out is not buf:
+            buf.copy_(out)
+        # Branchless: G <- the average in the parameters whose average is finite.
+        fin = torch.isfinite(_segment_max_abs(layout, out))
+        torch.where(layout.expand(fin), out, layout.G, out=layout.G)
+        state._note_nonfinite(fin.logical_not().sum())
+        if scale is not None:
+            layout.G.div_(scale)
+        return buf
+
+    return fut.then(ops.run_trusted(done))
+
+
+def _segment_max_abs(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
+    """``[S]`` in ``buf``'s dtype: per segment the largest ``|x|`` (NaN if any is NaN,
+    0 for an empty segment); two ops whatever the number of segments."""
+    return torch.segment_reduce(buf.abs(), "max", lengths=layout.lengths(), initial=0)

@@ -1,0 +1,29 @@
+"""Shared transport (Slim-DP): the values at the index set every rank derives, one
+all-reduce of ``k + m`` values plus the flags; no index travels."""
+
+from ... import _comm, ops
+from ..feedback import _commit, _encode
+from ..selection import _check_agreement, _select_explore
+
+
+def _shared(state, layout, buf, world_size, step, weight):
+    since = step - state.warmup_steps
+    if since % state.core_refresh == 0 or layout.core is None:
+        state._refresh_core(layout, since % state.core_refresh == 0, weight)
+    idx, n_explore = _select_explore(state, layout, layout.core, step)
+    if state.check_agreement_every and since % state.check_agreement_every == 0:
+        _check_agreement(state, layout, idx)
+    scale = state._loss_scale(layout)
+    wire, acc = _encode(state, layout, buf, idx, world_size, state.value_dtype or buf.dtype,
+                        scale)
+    k = idx.numel()
+    state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size(),
+                 layout.numel, k, k - n_explore, n_explore)
+    fut = _comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
+
+    def done(f):
+        # f.value() raises if the collective failed: nothing is committed then
+        _commit(state, layout, buf, acc, idx, f.value()[0], step, scale)
+        return buf
+
+    return fut.then(ops.run_trusted(done))

@@ -1,0 +1,416 @@
+"""``SlimDPOptimizer``: local steps of any torch optimizer, then a Slim-DP-compressed
+outer step; construction, stepping and the synchronisation itself (see
+:mod:`slimcomm.optim` for the algorithm and usage)."""
+
+from __future__ import annotations
+
+import collections
+import weakref
+import zlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _comm
+from .._comm import CollectiveError
+from ..agreement import agree_across_ranks
+from ..compressor import SlimDPCompressor
+from .checkpoint import _CheckpointMixin
+from .groups import COMPRESSIONS, _GroupsMixin, _inner_size
+from .nonfinite import _NonfiniteMixin
+from .protocol import _ProtocolMixin
+
+__all__ = ["SlimDPOptimizer", "COMPRESSIONS", "CollectiveError"]
+
+
+class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _CheckpointMixin):
+    r"""Local steps of any torch optimizer + a Slim-DP-compressed outer step.
+
+    See :mod:`slimcomm.optim` for the algorithm. Not a ``torch.optim.Optimizer``
+    subclass: schedule the learning rate on ``inner`` (``opt.inner``), which
+    is also what a ``GradScaler`` steps.
+
+    Args:
+        model: the ``nn.Module`` trained (or a DDP wrapper, whose ``module``
+            is used; use DDP's ``no_sync()`` for the local steps then).
+            Every parameter with ``requires_grad`` at construction is
+            synchronised; position ``i`` is the ``i``-th such parameter of
+            ``named_parameters()``. Parameters (trainable and frozen) and
+            buffers (e.g. BatchNorm statistics) are broadcast from rank 0 at
+            construction (like DDP), so replicas start identical; buffers and
+            frozen parameters are not synchronised afterwards. Weights loaded
+            into the model after construction and before the first inner step
+            (on every rank, or on rank 0 only) are the starting point: the
+            outer copy follows the model until this rank's first inner step,
+            and the first synchronisation makes rank 0's starting point
+            everyone's (each rank's pseudo-gradient stays relative to its own
+            start). Loading weights into the model later is overwritten at the
+            next synchronisation (use :meth:`load_state_dict` to resume).
+        inner: the inner optimizer, built over exactly those parameters
+            (frozen parameters of the model may be in it too; they must stay
+            frozen). Groups added later with ``add_param_group`` or a frozen
+            parameter unfrozen later are refused at the next
+            synchronisation: construct a new ``SlimDPOptimizer``.
+        sync_every: ``H``, inner steps between synchronisations (>= 1).
+        compression: ``"shared"`` (Slim-DP, one all-reduce of the values at an
+            index set identical on every rank), ``"local"`` (per-rank top-k,
+            all-gathered index/value pairs: SparseLoCo's compressor) or
+            ``"dense"`` (every coordinate: DiLoCo).
+        core_ratio, explore_ratio: fractions of each parameter in the core
+            set (top-k by ``score``) and in the uniform explore set, as in
+            :class:`slimcomm.hooks.SlimDPState` (ignored for ``"dense"``).
+        core_refresh: synchronisations between core-set refreshes (>= 1).
+        warmup_syncs: the first synchronisations are dense (``G`` starts from
+            their average), >= 0.
+        score: ``"product"`` (``|outer| * |G|``), ``"grad"`` (``|G|``) or
+            ``"weight"``.
+        value_dtype: wire dtype of the values (default bf16).
+        value_bits: ``None`` (values in ``value_dtype``, all-reduced) or 1, 2,
+            4, 8: per-chunk scaled low-bit codes (:mod:`slimcomm.codec`),
+            all-gathered, with the rounding error kept by error feedback.
+        quant_chunk: values per quantisation chunk (one bf16 scale each).
+        outer_lr: outer learning rate (1.0 = apply the averaged update).
+        outer_momentum: outer SGD momentum in ``[0, 1)`` (DiLoCo: 0.9).
+        nesterov: Nesterov outer momentum (DiLoCo: True).
+        error_feedback: keep the unsent part of each update (recommended).
+        error_decay: ``beta`` in ``(0, 1]``; the residual is multiplied by it
+            before the next pseudo-gradient is added (SparseLoCo: 0.95).
+        seed: explore-set seed, equal on every rank.
+        process_group: group to synchronise over (default: the world).
+        bucket_cap_mb: parameters are synchronised in groups of about this
+            many MB of fp32 values (one collective per group).
+        check_agreement_every: every n-th compressed sync checks the index
+            sets across ranks with one all-reduce of 8 int64 (default 100;
+            0 = never; cost in ``stats["total"]["checks"/"check_bytes"]``).
+        timeout: seconds any one collective may wait (default 300; ``None`` =
+            the process group's own timeout, 30 minutes on gloo). Passed to the
+            backend with each collective (the process group is not changed). A
+            rank that died is noticed within about a second; one that hangs
+            or stopped stepping makes the others raise after ``timeout``.
+            After ``sync_every`` steps the faster ranks wait for the slowest
+            at the synchronisation, so keep ``timeout`` above the time of
+            ``sync_every`` steps (plus checkpointing or evaluation between).
+
+    Reliability: a failed or timed-out collective, or ranks whose local steps
+    or synchronisation counts drifted apart (see :meth:`synchronize`), raise
+    :class:`~slimcomm.optim.CollectiveError` on every surviving rank; nothing
+    of that synchronisation is written into the model and the optimizer
+    refuses further use. Uneven inputs: :meth:`join`.
+
+    Arguments are fixed at construction: assigning ``sync_every``,
+    ``compression``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
+    ``process_group`` or ``inner`` afterwards raises ``AttributeError``
+    (build a new ``SlimDPOptimizer``; the compressor's hyperparameters are
+    frozen the same way). Schedule the learning rate on ``inner``'s
+    ``param_groups``.
+
+    Raises:
+        ValueError: an argument out of range, ``inner`` not over the model's
+            trainable parameters, float16 parameters in an Adam-type group
+            (``betas`` and ``eps``) whose ``eps`` is below float16's smallest
+            normal number 6.1e-05 (its updates are inf/NaN) (raised on the
+            rank that sees it; the other ranks raise a RuntimeError instead of
+            waiting).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner: torch.optim.Optimizer,
+        *,
+        sync_every: int = 8,
+        compression: str = "shared",
+        core_ratio: float = 0.05,
+        explore_ratio: float = 0.05,
+        core_refresh: int = 1,
+        warmup_syncs: int = 0,
+        score: str = "product",
+        value_dtype: Optional[torch.dtype] = torch.bfloat16,
+        value_bits: Optional[int] = None,
+        quant_chunk: int = 4096,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.0,
+        nesterov: bool = False,
+        error_feedback: bool = True,
+        error_decay: float = 1.0,
+        seed: int = 0,
+        process_group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: float = 25.0,
+        check_agreement_every: int = 100,
+        timeout: Optional[float] = 300.0,
+    ):
+        self.process_group = process_group
+        self._failed: Optional[str] = None
+        self._joined = False
+        error: Optional[BaseException] = None
+        fingerprint = 0
+        try:
+            self._validate(model, inner, sync_every, compression, outer_lr, outer_momentum,
+                           bucket_cap_mb)
+            self.timeout = _comm.check_timeout(timeout, "SlimDPOptimizer")
+            for name, v in (("nesterov", nesterov), ("error_feedback", error_feedback)):
+                if not isinstance(v, bool):
+                    raise ValueError(f"{name} must be a bool (True or False), got {v!r}")
+            if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+                raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or "
+                                 f"None, got {type(process_group).__name__} {process_group!r}")
+            module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
+                else model
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            self.compression = compression
+            dense = compression == "dense"
+            self.compressor = SlimDPCompressor(
+                process_group=process_group,
+                core_ratio=1.0 if dense else core_ratio,
+                explore_ratio=0.0 if dense else explore_ratio,
+                core_refresh=core_refresh, warmup_steps=warmup_syncs, score=score,
+                index_mode="local" if compression == "local" else "shared",
+                error_feedback=error_feedback and not dense, error_decay=error_decay,
+                value_dtype=value_dtype, seed=seed,
+                check_agreement_every=check_agreement_every, value_bits=value_bits,
+                quant_chunk=quant_chunk)
+            self.compressor._timeout = self.timeout
+            self.inner = inner
+            self.sync_every = sync_every
+            self.outer_lr = float(outer_lr)
+            self.outer_momentum = float(outer_momentum)
+            self.nesterov = bool(nesterov)
+            self.local_step = 0
+            self.syncs = 0
+            self._synced_at = 0
+            self._module = module
+            self._groups = self._make_groups(named, bucket_cap_mb)
+            hp = (sync_every, compression, self.outer_lr, self.outer_momentum, self.nesterov,
+                  self.compressor._hyperparameters(),
+                  [(n, tuple(p.shape), str(p.dtype)) for n, p in named])
+            fingerprint = zlib.crc32(repr(hp).encode())
+        except ValueError as exc:
+            error = exc
+        device = self._groups[0].outer.device if error is None and self._groups else None
+        differ = agree_across_ranks(
+            {"hyperparameters and parameter shapes": fingerprint}, error, group=process_group,
+            device=device, timeout=timeout if error is None else None,
+            other_failed="SlimDPOptimizer: another rank could not be constructed (see its "
+                         "error); no rank can proceed")
+        if differ:
+            raise RuntimeError(
+                "SlimDPOptimizer: the ranks were constructed with different hyperparameters "
+                "or models; construct it with the same arguments on every rank")
+        views = [v for g in self._groups for v in g.outer_views]
+        self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
+        # Parameters frozen at construction (broadcast like DDP, never synchronised; one
+        # unfrozen later is refused at the next synchronisation) and inner's size, to
+        # refuse parameters added later with add_param_group.
+        self._names = [n for n, _ in named]
+        self._frozen_named = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._inner_size = _inner_size(inner)
+        self._broadcast_initial_state()
+        # Until this rank's first inner step the outer copy follows the model (weights loaded
+        # after construction are the starting point, as with DDP); the first synchronisation
+        # makes rank 0's starting point everyone's (see _adopt_rank0_start).
+        self._start_pending = True
+        self._adopt_start = True
+        self._in_outer = False
+        # Non-finite pseudo-gradients: per-sync device flags read on the host without a sync.
+        self._zero = {g.outer.device: torch.zeros((), dtype=torch.float32, device=g.outer.device)
+                      for g in self._groups}
+        self._pending: collections.deque = collections.deque()
+        self._nonfinite_syncs = 0
+        self._warned_nonfinite = False
+        me = weakref.ref(self)   # the hook must not keep this object alive through inner
+
+        def before_inner_step(optimizer, args, kwargs):
+            opt = me()
+            if opt is not None:
+                opt._before_inner_step()
+
+        self._hook = inner.register_step_pre_hook(before_inner_step)
+        self._frozen = True
+
+    _FROZEN = frozenset(("sync_every", "compression", "outer_lr", "outer_momentum", "nesterov",
+                         "process_group", "inner", "compressor", "timeout"))
+
+    def __setattr__(self, name, value):
+        if name in self._FROZEN and self.__dict__.get("_frozen"):
+            raise AttributeError(
+                f"SlimDPOptimizer.{name} cannot be changed after construction (every rank's "
+                f"outer step and the synchronisation schedule depend on it); construct a new "
+                f"SlimDPOptimizer with {name}={value!r} instead")
+        object.__setattr__(self, name, value)
+
+    # ---------------------------------------------------------------- stepping
+    @property
+    def param_groups(self):
+        """The inner optimizer's ``param_groups`` (learning rates live there)."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``inner.zero_grad(set_to_none)``."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    #: ``torch.amp.GradScaler.step(opt)`` then always calls :meth:`step` (with
+    #: ``grad_scale`` / ``found_inf`` set), so a step it skips is still counted
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        """One inner step, then :meth:`advance`. Returns the closure's loss, if any.
+
+        Under ``GradScaler.step(opt)`` (``scaler.step(opt); scaler.update()``) the
+        gradients are unscaled here and the inner step is skipped when the scaler
+        found inf/NaN on this rank -- but the step is counted either way, so the
+        ranks' synchronisation schedules cannot drift apart. (Equivalent to
+        ``scaler.step(opt.inner); opt.advance()``.)
+
+        Raises:
+            RuntimeError: inside :meth:`outer_weights`.
+            CollectiveError: after a failed synchronisation.
+        """
+        self._check_usable()
+        self._forbid_in_outer("step()")
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:  # called by GradScaler.step(self)
+            if closure is not None:
+                raise ValueError("SlimDPOptimizer.step: a closure cannot be used under "
+                                 "GradScaler.step(opt)")
+            grad_scale = getattr(self, "grad_scale", None)
+            if grad_scale is not None:  # not unscaled yet: do what GradScaler.unscale_ does
+                grads = [p.grad for g in self.inner.param_groups for p in g["params"]
+                         if p.grad is not None]
+                inv = grad_scale.double().reciprocal().float()
+                dummy = torch.zeros((), dtype=torch.float32, device=inv.device)
+                for dev in {gr.device for gr in grads}:
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        [gr for gr in grads if gr.device == dev], dummy.to(dev), inv.to(dev))
+            if not bool(found_inf):  # GradScaler's own skip decision (one host read)
+                self.inner.step()
+            self.advance()
+            return None
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.advance()
+        return loss
+
+    def advance(self) -> bool:
+        """Count one local step; synchronise when ``sync_every`` steps are done.
+
+        Call on every rank after every inner step, also one a ``GradScaler``
+        skipped. Returns whether it synchronised.
+
+        Raises:
+            RuntimeError: inside :meth:`outer_weights`.
+        """
+        self._check_usable()
+        self._forbid_in_outer("advance()")
+        self.local_step += 1
+        if self.local_step % self.sync_every == 0:
+            self.synchronize()
+            return True
+        return False
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Outer step now (collective): compress and average the pseudo-gradients,
+        step the outer parameters, set every rank's parameters to them.
+
+        Called by :meth:`advance` every ``sync_every`` steps. Calling it yourself
+        is a collective (every rank alike, or the others hang) and an extra outer
+        step (outer momentum included): do it once at the end of training, on
+        every rank, to make the local parameters the global ones. To evaluate or
+        checkpoint the global model during training use :meth:`outer_weights`
+        (no communication, any subset of ranks). A no-op when no local step
+        happened since the last synchronisation.
+
+        A rank whose pseudo-gradient in a parameter group is non-finite (NaN/inf
+        somewhere, e.g. after an inf loss without a ``GradScaler``) sends zeros
+        for that whole group instead (the average still divides by the world
+        size), and resets its inner optimizer's state of those
+        parameters (to a fresh optimizer's: empty) so that its next steps are
+        finite again; its local parameters are set to the new outer ones like
+        every rank's. The first occurrence warns (``RuntimeWarning``);
+        ``stats["nonfinite_syncs"]`` counts them. No host sync: on a GPU the
+        host learns of it (and resets the state) one synchronisation later.
+
+        Each synchronisation starts with one agreement all-reduce of 5 int64
+        counters (80 bytes, one host read, once per ``sync_every`` steps; in
+        ``stats["total"]["checks"]``): the local step, the number of
+        synchronisations and whether each rank has joined. It runs *before* the
+        value collectives because consecutive synchronisations can differ in
+        their collectives (warm-up, core refresh, agreement checks), so ranks
+        whose schedules drifted must be stopped before they issue collectives
+        of different sizes.
+
+        Raises:
+            CollectiveError (a ``RuntimeError``), on every rank: a collective
+                failed or did not complete within ``timeout`` seconds (a rank
+                died, hung, or stopped calling :meth:`step`), or the ranks
+                reached this synchronisation at different local steps or
+                synchronisation counts (uneven inputs without :meth:`join`;
+                :meth:`synchronize` called on some ranks only; a step not
+                counted with :meth:`advance`). The model is left as it was
+                before this synchronisation, and the optimizer refuses further
+                use (restart from a checkpoint).
+            RuntimeError: inside :meth:`outer_weights`; ``inner`` gained
+                parameters (``add_param_group``) or a parameter frozen at
+                construction was unfrozen (on the ranks where that happened;
+                the other ranks raise CollectiveError after ``timeout``).
+        """
+        self._check_usable()
+        self._forbid_in_outer("synchronize()")
+        if self.local_step == self._synced_at:
+            return
+        self._check_parameters_unchanged()
+        self._agree(joined=False)
+        self._sync_collectives()
+
+    def _sync_collectives(self) -> None:
+        if self._start_pending:      # no inner step ran on this rank (e.g. GradScaler skips)
+            self._take_start()
+        if self._adopt_start:
+            self._adopt_rank0_start()
+        comp = self.compressor
+        what = self._what()
+        futs = []
+        bad: Dict[torch.device, List[torch.Tensor]] = {}   # per device: finite flags
+        try:
+            for i, g in enumerate(self._groups):
+                layout = comp.layout_for(lambda g=g: g.key,
+                                         lambda key, g=g: (g.outer.device, torch.float32),
+                                         f"parameter group {i}", g.outer.device)
+                # pseudo-gradient = outer - local, into the scratch buffer
+                torch._foreach_copy_(g.scratch_views, g.params)
+                torch.sub(g.outer, g.scratch, out=g.scratch)
+                # Non-finite on this rank: send zeros instead (branchless, 3 ops; the largest
+                # |x| is NaN or inf iff some coordinate is)
+                ok = torch.linalg.vector_norm(g.scratch, float("inf")) < float("inf")
+                torch.where(ok, g.scratch, self._zero[g.outer.device], out=g.scratch)
+                bad.setdefault(g.outer.device, []).append(ok)
+                futs.append(comp.synchronize(layout, g.scratch, weight=g.outer,
+                                             warmup_dtype=comp.value_dtype or torch.float32))
+            comp.end_step()
+            # Every group's result first: a failed collective raises here, before any
+            # parameter is written (no group is applied from a partly failed sync).
+            avgs = [_comm.wait(fut, what, self.timeout) for fut in futs]
+        except CollectiveError as exc:
+            if not str(exc).startswith("SlimDPOptimizer"):
+                exc = CollectiveError(f"{what}: {exc}")
+            raise self._fail(exc) from exc.__cause__
+        except Exception as exc:  # the compressor state may be half-updated: stop here
+            self._fail(exc)
+            raise
+        for g, avg in zip(self._groups, avgs):
+            # A parameter that was non-finite on some rank comes back NaN: skip its update.
+            # (nan_to_num to 0 is where(isfinite(avg), avg, 0), in one op)
+            avg = avg.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            if g.momentum is not None:
+                g.momentum.mul_(self.outer_momentum).add_(avg)
+                upd = avg.add(g.momentum, alpha=self.outer_momentum) if self.nesterov \
+                    else g.momentum
+            else:
+                upd = avg
+            g.outer.sub_(upd, alpha=self.outer_lr)
+            torch._foreach_copy_(g.params, g.outer_views)
+        self._publish_flags(bad)
+        self.syncs += 1
+        self._synced_at = self.local_step
+        self._drain_flags(wait=False)
