@@ -247,7 +247,7 @@ def _train(rank, world_size, args, device, backend):
         "format": RESULT_FORMAT,
         "method": args.method,
         "config": config,
-        # groups runs that differ only by seed (--plot-from; slimcomm.report.config_key)
+        # groups runs that differ only by seed (--plot-from; slimcomm.train.report.config_key)
         "config_key": compute_config_key(config, dataset_info["name"]),
         "world_size": world_size,
         "backend": backend,
