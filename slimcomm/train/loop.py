@@ -35,16 +35,13 @@ from ..agreement import agree_across_ranks
 from .report import RESULT_FORMAT, compare_table, compute_config_key, plot_results, setting_summary
 from .wire import WireCounter
 from . import projection as train_projection
-from .args import (ADAMW_DEFAULTS, CNN_METHOD_DEFAULTS, GPT_DEFAULTS, LOG_FORMAT, LOG_LEVELS,  # noqa: F401
-                   METHOD_DEFAULTS, METHODS, MODELS, SYNC_DEFAULTS, _resolve_launch,
-                   apply_method_defaults, build_parser, log_level, setup_logging)
-from .methods import SYNC_OPTIMIZER_BUILDERS, _Method, lr_factor, model_device  # noqa: F401
+from .args import _resolve_launch, apply_method_defaults, build_parser, log_level, setup_logging
+from .methods import _Method
 from .tasks import _ImageTask, _TextTask
 
 log = logging.getLogger("slimcomm.train")  # the command's name in its log lines
 
-__all__ = ["METHODS", "MODELS", "build_parser", "build_model", "apply_method_defaults", "run", "compare_table",
-           "plot_results", "main"]
+__all__ = ["build_model", "run", "main", "machine_note"]  # the package re-exports these (slimcomm.train.main, ...)
 
 BYTES_DEFINITION = (
     "payload bytes each rank hands to collectives (all_reduce input size or own all_gather contribution), "
