@@ -31,7 +31,7 @@ distributed training systems", MLSys 2022: compression pays only while the
 link, not compute or the compression itself, bounds the step).
 
 The model's formulas (:class:`LinkModel`, :func:`fit_link`, :data:`PATTERN`,
-:func:`collectives_per_step`) live in ``slimcomm/train_projection.py``, where
+:func:`collectives_per_step`) live in ``slimcomm/train/projection.py``, where
 the training command uses them to project its own runs onto 100 Mbit/s and
 1 Gbit/s links; this script imports them from there (one model).
 
@@ -57,8 +57,8 @@ if REPO not in sys.path:
 
 # The model itself (ring all-reduce / all-gather times, its fit, a method's collectives per step)
 # lives with the training command, which projects its own runs onto slower links with it
-# (slimcomm.train_projection); this script fits and validates it on the network benchmark's runs.
-from slimcomm.train_projection import (  # noqa: E402,F401  (re-exported: tests, collbench)
+# (slimcomm.train.projection); this script fits and validates it on the network benchmark's runs.
+from slimcomm.train.projection import (  # noqa: E402,F401  (re-exported: tests, collbench)
     PATTERN, LinkModel, _coeffs, collectives_per_step, fit_link)
 
 

@@ -160,7 +160,7 @@ fi
 
 # Data for the training runs, whatever the machine has.
 TRAIN_DATA=()
-if "$PY" -c "import os, sys, slimcomm.workloads.data as d; sys.exit(0 if os.path.exists(os.path.join(d.FASHION_MNIST_DIR, 'train-images-idx3-ubyte.gz')) or os.path.exists(os.path.join(d.FASHION_MNIST_DIR, 'train-images-idx3-ubyte')) else 1)" 2>/dev/null; then
+if "$PY" -c "import os, sys, slimcomm.train.workloads.data as d; sys.exit(0 if os.path.exists(os.path.join(d.FASHION_MNIST_DIR, 'train-images-idx3-ubyte.gz')) or os.path.exists(os.path.join(d.FASHION_MNIST_DIR, 'train-images-idx3-ubyte')) else 1)" 2>/dev/null; then
   TRAIN_DATA=(--dataset fashion-mnist --train-subset 20000 --test-subset 2000)
 elif "$PY" -c "import sklearn.datasets" 2>/dev/null; then
   TRAIN_DATA=(--dataset digits)

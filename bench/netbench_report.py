@@ -230,10 +230,10 @@ def _flat_results(results: Dict[str, Dict[str, List[Dict]]]) -> List[Dict]:
 def plot_lm(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
     """Validation loss vs training time (one panel per rate) and vs total MB sent per rank.
 
-    Drawn by :func:`slimcomm.report.plot_results`: one median line per method over the seeds with a
+    Drawn by :func:`slimcomm.train.report.plot_results`: one median line per method over the seeds with a
     min-max band, ddp's median final validation loss as the labelled target line.
     """
-    from slimcomm.report import plot_results
+    from slimcomm.train.report import plot_results
 
     target = _loss_target(next(iter(results.values())))
     plot_results(_flat_results(results), out_png, panels=("time", "bytes"), log_time=True, target=target,
@@ -241,7 +241,7 @@ def plot_lm(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
 
 
 def plot(results: Dict[str, Dict[str, List[Dict]]], out_png: str) -> None:
-    """Test accuracy vs training time, one panel per rate (:func:`slimcomm.report.plot_results`)."""
-    from slimcomm.report import plot_results
+    """Test accuracy vs training time, one panel per rate (:func:`slimcomm.train.report.plot_results`)."""
+    from slimcomm.train.report import plot_results
 
     plot_results(_flat_results(results), out_png, panels=("time",), log_time=True)

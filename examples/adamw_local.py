@@ -6,7 +6,7 @@ Launch two ranks on this machine (gloo on CPU, NCCL when every rank has a GPU)::
 
 (with the virtual environment active, ``. .venv/bin/activate``, or as
 ``.venv/bin/torchrun ...``). It trains a small character-level GPT
-(``slimcomm.workloads.models.GPT``, 2 layers, 64-dim) with AdamW on this
+(``slimcomm.train.workloads.models.GPT``, 2 layers, 64-dim) with AdamW on this
 repository's own README and Python sources (so it needs no download), each
 rank on its own windows of the text, for ``--steps`` steps (about 20 s on 2
 CPU cores). Every 3 local AdamW steps the pseudo-gradients (outer parameters
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slimcomm import SlimDPOptimizer
-from slimcomm.workloads.models import GPT
+from slimcomm.train.workloads.models import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""slimcomm.workloads.data: the IDX reader, the Fashion-MNIST loader, sharding and batching."""
+"""slimcomm.train.workloads.data: the IDX reader, the Fashion-MNIST loader, sharding and batching."""
 
 import gzip
 import os
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from slimcomm.workloads import data as D
+from slimcomm.train.workloads import data as D
 
 
 def _images(n, rows=4, cols=3, seed=0):

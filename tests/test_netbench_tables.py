@@ -80,8 +80,8 @@ def _committed(name, rates, methods, seeds):
 
 
 def test_plot_uses_the_shared_median_band_figure(tmp_path, monkeypatch):
-    """netbench.plot draws through slimcomm.report: one panel per rate, one median line + band per method."""
-    from slimcomm import report
+    """netbench.plot draws through slimcomm.train.report: one panel per rate, one median line + band per method."""
+    from slimcomm.train import report
 
     results = _committed("netbench_2ranks", ["1gbit", "100mbit"], ["ddp", "slimdp", "ist"], [0, 1, 2])
     figs = []
@@ -101,7 +101,7 @@ def test_plot_uses_the_shared_median_band_figure(tmp_path, monkeypatch):
 
 
 def test_plot_lm_labels_ddp_final_loss(tmp_path, monkeypatch):
-    from slimcomm import report
+    from slimcomm.train import report
 
     results = _committed("netbench_gpt_2ranks", ["10gbit"], ["ddp", "slimdp-local"], [0])
     figs = []

@@ -191,7 +191,7 @@ def test_every_subpackage_and_py_typed_are_packaged(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
         ".git", ".venv*", "build", "bench", "tests", "*.so", "__pycache__", "*.egg-info", "runs"))
-    (src / "slimcomm" / "_probe_subpkg").mkdir()      # a subpackage such as slimcomm/workloads/
+    (src / "slimcomm" / "_probe_subpkg").mkdir()      # a subpackage such as slimcomm/train/
     (src / "slimcomm" / "_probe_subpkg" / "__init__.py").write_text("")
     out = tmp_path / "lib"
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(out)],
@@ -202,6 +202,33 @@ def test_every_subpackage_and_py_typed_are_packaged(tmp_path):
     assert (out / "slimcomm" / "_probe_subpkg" / "__init__.py").is_file()
     packaged = {p.name for p in (out / "slimcomm").glob("*.py")}
     assert {"__init__.py", "_version.py", "ops.py", "hooks.py", "ist.py", "info.py"} <= packaged
+    assert (out / "slimcomm" / "train" / "__main__.py").is_file()  # the command, apart from the library
+    assert (out / "slimcomm" / "train" / "workloads" / "models.py").is_file()
+
+
+def test_library_never_imports_the_training_command():
+    """The library (every module in slimcomm/ outside slimcomm/train/) imports nothing from slimcomm.train."""
+    import ast
+
+    pkg = os.path.join(REPO, "slimcomm")
+    bad = []
+    for name in sorted(os.listdir(pkg)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(pkg, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                mods = [("." * node.level) + (node.module or "")]
+                if node.level == 1 and node.module is None:
+                    mods += ["." + a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            if any(m in (".train", "slimcomm.train") or m.startswith((".train.", "slimcomm.train.")) for m in mods):
+                bad.append(f"{name}:{node.lineno}")
+    assert not bad, bad
 
 
 def test_extension_links_the_shared_cpp_runtime():

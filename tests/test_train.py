@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from slimcomm import train as T
+from slimcomm.train import loop as train_loop  # monkeypatched where main() and run() look names up
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The DDP-hook and IST methods; the local-step methods (SlimDPOptimizer) need more steps than a
@@ -124,7 +125,7 @@ def test_method_result_json(compare_run, method):
     if method == "ddp":  # 24 KB per step: bytes, not the per-hop latency, dominate: the slower link takes longer
         assert slow["train_time_s"] > fast["train_time_s"]
     # (smaller payloads: the fitted 1 Gbit/s latency, 0.7 ms per hop, exceeds the 100 Mbit/s one, fitted 0;
-    # on a few KB per step the 1 Gbit/s projection can then be the slower one, see train_projection)
+    # on a few KB per step the 1 Gbit/s projection can then be the slower one, see slimcomm.train.projection)
 
 
 def test_same_seed_same_result(compare_run, tmp_path):
@@ -259,7 +260,7 @@ def test_failed_run_keeps_previous_result(tmp_path, monkeypatch):
     """A run whose ranks exit without writing the JSON raises and leaves the old file intact."""
     out = tmp_path / "ddp.json"
     out.write_text('{"previous": true}')
-    monkeypatch.setattr(T, "_spawn_entry", _exit_without_writing)
+    monkeypatch.setattr(train_loop, "_spawn_entry", _exit_without_writing)
     args = T.build_parser().parse_args(["--method", "ddp", "--world-size", "1", "--dataset", "digits",
                                         "--out", str(out)])
     T._resolve_launch(args)
@@ -436,7 +437,7 @@ def test_bad_option_combinations(argv, needle, monkeypatch, capsys):
 
 def test_out_directory_refused_before_training(tmp_path, monkeypatch, capsys):
     _no_env(monkeypatch)
-    monkeypatch.setattr(T, "run", lambda args: pytest.fail("training started"))
+    monkeypatch.setattr(train_loop, "run", lambda args: pytest.fail("training started"))
     with pytest.raises(SystemExit) as ei:
         T.main(["--method", "ddp", "--dataset", "digits", "--out", str(tmp_path)])
     assert "is a directory" in str(ei.value.code) and str(tmp_path) in str(ei.value.code)
@@ -448,7 +449,7 @@ def test_results_json_written_through_unique_temp_files(tmp_path, monkeypatch):
     out = tmp_path / "sub" / "r.json"
     renames = []
     real_replace = os.replace
-    monkeypatch.setattr(T.os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b)))
+    monkeypatch.setattr(train_loop.os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b)))
     T._write_json_atomic({"run": 1}, str(out))
     T._write_json_atomic({"run": 2}, str(out))
     (a, _), (b, _) = renames
@@ -583,10 +584,10 @@ def test_local_step_methods_on_gpt(tmp_path, small_text):
 
 
 # ---------------------------------------------------------------------------
-# Reporting (slimcomm.report): grouping by configuration, plots, logging, the CLI split
+# Reporting (slimcomm.train.report): grouping by configuration, plots, logging, the CLI split
 # ---------------------------------------------------------------------------
 
-from slimcomm import report as R  # noqa: E402
+from slimcomm.train import report as R  # noqa: E402
 
 
 def _fake_result(method, seed, lr=0.05, accs=(0.70, 0.80, 0.86), stored_key=True, rate=None, label=None):
@@ -719,7 +720,7 @@ def test_help_and_errors_read_cleanly(capsys):
 
 
 def test_cli_split_keeps_entry_points():
-    """The reporting half lives in slimcomm.report; slimcomm.train still exposes what callers import."""
+    """The reporting half lives in slimcomm.train.report; slimcomm.train still exposes what callers import."""
     assert T.compare_table is R.compare_table and T.plot_results is R.plot_results
     assert T.RESULT_FORMAT == R.RESULT_FORMAT
     import tomllib

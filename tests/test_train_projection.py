@@ -1,4 +1,4 @@
-"""slimcomm.train_projection: the demo's per-link times, checked against committed measurements.
+"""slimcomm.train.projection: the demo's per-link times, checked against committed measurements.
 
 * the link constants are the fit of the committed collective timings (bench/results/scale/collbench.json);
 * the projection is exact arithmetic on a synthetic run;
@@ -15,7 +15,7 @@ import statistics
 
 import pytest
 
-from slimcomm import train_projection as P
+from slimcomm.train import projection as P
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NETBENCH = os.path.join(REPO, "bench", "results", "netbench_2ranks")

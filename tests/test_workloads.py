@@ -1,4 +1,4 @@
-"""slimcomm.workloads: the models (MLP, ConvNet, GPT) and the text corpus loader."""
+"""slimcomm.train.workloads: the models (MLP, ConvNet, GPT) and the text corpus loader."""
 
 import math
 import os
@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from slimcomm.workloads import models as M
-from slimcomm.workloads import text as X
+from slimcomm.train.workloads import models as M
+from slimcomm.train.workloads import text as X
 
 
 # ---------------------------------------------------------------------------

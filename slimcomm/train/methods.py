@@ -6,7 +6,7 @@ an :class:`~slimcomm.ist.ISTTrainer`, or a synchronising optimizer from
 and its learning-rate schedule (:func:`lr_factor`), runs one training step and
 counts the bytes sent per rank by the definition in :mod:`slimcomm.train`'s
 docstring ("Bytes sent per rank"). The options it reads are resolved by
-:mod:`slimcomm.train_args`.
+:mod:`slimcomm.train.args`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 import torch.nn as nn
 
-from .train_args import SYNC_DEFAULTS
+from .args import SYNC_DEFAULTS
 
 
 _VALUE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,7 +69,7 @@ def _make_optimizer(params, args, lr: Optional[float] = None) -> torch.optim.Opt
 # options to build_parser, once that class lands, e.g.
 #
 #     def _build_diloco(args, model, inner):
-#         from .optim import SlimDPOptimizer
+#         from ..optim import SlimDPOptimizer
 #         return SlimDPOptimizer(model, inner, sync_every=args.sync_every, compression="dense",
 #                                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
 #                                nesterov=True, seed=args.seed)
@@ -82,7 +82,7 @@ SYNC_OPTIMIZER_BUILDERS: Dict[str, Callable[[argparse.Namespace, nn.Module, torc
 
 
 def _build_sync_optimizer(args, model, inner):
-    from .optim import SlimDPOptimizer
+    from ..optim import SlimDPOptimizer
 
     m = args.method
     kw = dict(sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
@@ -144,7 +144,7 @@ class _Method:
         self._factor = factor
         m = self.name
         if m == "ist":
-            from .ist import ISTTrainer
+            from ..ist import ISTTrainer
 
             # The trainer builds a fresh optimizer every round; it starts at the schedule's lr
             # for the round's first step, and train_step keeps it on the schedule.
@@ -185,7 +185,7 @@ class _Method:
                 )
                 self.ddp.register_comm_hook(self.hook_state, psgd.powerSGD_hook)
             elif m in ("topk", "slimdp"):
-                from .hooks import SlimDPState, slim_dp_hook
+                from ..hooks import SlimDPState, slim_dp_hook
 
                 kw = dict(
                     core_ratio=args.core_ratio,

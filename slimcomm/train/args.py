@@ -6,7 +6,7 @@
 tables (``METHOD_DEFAULTS``, ``ADAMW_DEFAULTS``, ``SYNC_DEFAULTS``, ...),
 :func:`_resolve_launch` (world size and external-rank settings from flags and
 environment) and the command's logging set-up. It builds no model and trains
-nothing; the methods live in :mod:`slimcomm.train_methods`.
+nothing; the methods live in :mod:`slimcomm.train.methods`.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after training, time a few collectives on the link the ranks used (loopback) and project "
                         "the run's train time onto these emulated link rates (comma-separated, from "
                         f"{', '.join(_projection_rates())}; 'none' turns it off), from its compute time and its "
-                        "counted bytes (slimcomm.train_projection); default: 1gbit,100mbit for ranks this command "
+                        "counted bytes (slimcomm.train.projection); default: 1gbit,100mbit for ranks this command "
                         "spawns, none for externally launched ones (bench/netbench.py measures their link)")
     g.add_argument("--wire-iface", default=None, metavar="IFACE",
                    help="also report the bytes this network interface sent and received (kernel counters) during "
@@ -337,7 +337,7 @@ def setup_logging(level: str, rank: Optional[int] = None) -> None:
 
 
 def _projection_rates():
-    from .train_projection import EMULATED_LINKS
+    from .projection import EMULATED_LINKS
 
     return tuple(EMULATED_LINKS)
 
@@ -357,7 +357,7 @@ def _link_rates(s: str):
 
 
 def _slimcomm_version() -> str:
-    from ._version import __version__
+    from .._version import __version__
 
     return __version__
 
@@ -390,7 +390,7 @@ def _resolve_launch(args: argparse.Namespace) -> None:
         args.local_world_size = args.world_size
     args.external = external
     if args.link_times is None:
-        from .train_projection import DEFAULT_RATES
+        from .projection import DEFAULT_RATES
 
         args.link_times = () if external else tuple(DEFAULT_RATES)
     if args.device == "cuda":

@@ -1,124 +1,13 @@
-"""The training command: ``python -m slimcomm.train`` (console script ``slimcomm-train``).
+"""The training loop of one rank, the results JSON and the driver of the command.
 
-Trains one of three workloads (:mod:`slimcomm.workloads`) with ``world_size``
-ranks and one of the communication methods below, writes a results JSON per
-run, and can compare methods in one table and plot the metric against wall
-time and bytes (the tables, plots and ``--plot-from`` live in
-:mod:`slimcomm.report`; this module trains):
-
-========== ===================================================================
-``--model``   workload
-``mlp``       (default) MLP on Fashion-MNIST, or scikit-learn's digits set when
-              Fashion-MNIST is not installed; metric: test accuracy.
-``cnn``       :class:`~slimcomm.workloads.models.ConvNet` on the same images
-              (``1 x 28 x 28``; digits: ``1 x 8 x 8``); metric: test accuracy.
-``gpt``       :class:`~slimcomm.workloads.models.GPT`, a decoder-only
-              transformer trained on a text corpus (Debian's ``fortunes`` or
-              ``--text-file``, :mod:`slimcomm.workloads.text`) for ``--steps``
-              steps; metric: validation loss in nats/token on a fixed set of
-              validation batches (``--val-batches``), identical on every rank.
-========== ===================================================================
-
-Methods (``--method``; ``--compare`` takes a comma-separated list):
-
-========== ===================================================================
-``ddp``       DistributedDataParallel's default all-reduce of every gradient.
-``fp16``      PyTorch's ``fp16_compress_hook`` (gradients cast to fp16 on the wire).
-``powersgd``  PyTorch's ``PowerSGDState`` + ``powerSGD_hook`` (Vogels et al.,
-              arXiv 1905.13727): rank-``r`` low-rank factors, error feedback.
-``topk``      :func:`slimcomm.hooks.slim_dp_hook` with ``index_mode="local"``:
-              the classic top-k / deep-gradient-compression baseline (each rank
-              picks its own coordinates; (index, value) pairs are all-gathered).
-``slimdp``    :func:`slimcomm.hooks.slim_dp_hook` with ``index_mode="shared"``:
-              Slim-DP (Sun et al., arXiv 1709.09393) core + explore set that is
-              identical on every rank, values in one dense all-reduce.
-``ist``       :class:`slimcomm.ist.ISTTrainer`: independent subnet training
-              (Yuan et al., arXiv 1910.02120): each rank trains its own subnet
-              for ``--local-steps`` steps, then one collective re-assembles the model.
-========== ===================================================================
-
-Bytes sent per rank
--------------------
-One definition is applied to every method: **the payload bytes a rank hands to
-collectives** (the size of the tensor it passes to ``all_reduce``, or its own
-contribution to ``all_gather``), summed over training steps and the
-synchronisations the method needs before evaluation. It does not depend on the
-collective's algorithm; a ring all-reduce puts ``2 (W - 1) / W`` times this
-payload on each rank's link, an all-gather ``(W - 1)`` times. The cheap scalar
-all-reduces used for evaluation and for the setup agreement check are not
-counted. With ``--world-size 1`` every method reports 0 (a collective over one
-rank sends nothing). Per method:
-
-* ``ddp``: ``4 * P`` bytes per step (``P`` = number of parameters, fp32).
-* ``fp16``: ``2 * P`` bytes per step.
-* ``powersgd``: ``4 * P`` per step for the first ``--powersgd-start-iter``
-  steps (dense warm-up), then ``4 * sum((n + m) * r)`` over compressed
-  ``n x m`` gradients plus ``4 * numel`` for tensors left uncompressed
-  (PowerSGD's own ``total_numel_after_compression`` counter).
-* ``topk`` / ``slimdp``: the hook's ``state.stats`` byte counter.
-* ``topk``'s all-gather counts this rank's own (index, value) pairs.
-* ``ist``: per synchronisation round, the padded buffer of this rank's
-  trained slices handed to the one ``all_gather`` (``ISTStats.bytes_sent``
-  divided by ``W - 1``, its ring traffic factor).
-
-Launching
----------
-* ``--world-size N`` (default 2): the command spawns ``N`` ranks with
-  ``torch.multiprocessing`` on this host (a ``FileStore`` rendezvous, no port).
-* Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) or with an
-  explicit ``--rank`` plus ``--master-addr``/``--master-port`` (or the
-  ``MASTER_ADDR``/``MASTER_PORT`` environment variables), this process is one
-  rank of a job launched externally, e.g. one per network namespace
-  (``bench/netbench.py``).
-* Backend: gloo for ``--device cpu``, NCCL for ``--device cuda``.
-
-Before the first gradient collective every rank loads its data and model and
-the ranks exchange a status flag and a fingerprint of the configuration in one
-small all-reduce: a rank that failed, or was started with a different
-configuration, makes every rank stop with an error instead of hanging.
-
-Optimisation
-------------
-``--optimizer sgd`` (default for mlp/cnn; L2 weight decay on every parameter)
-or ``adamw`` (default for gpt; decoupled weight decay on matrices and
-embeddings only, not on biases and LayerNorm gains, as in GPT-2 practice).
-``--lr-schedule cosine`` warms up linearly over ``--warmup-lr-steps`` steps
-and then follows a half cosine down to ``--min-lr`` at the last step
-(``constant``: warm-up, then constant). ``--grad-clip C`` clips the global
-gradient norm to ``C`` after ``backward()`` and before the optimizer step
-(with a DDP comm hook this is the synchronised gradient). Options that do not
-apply to the chosen model, optimizer or method are refused, not ignored.
-
-Methods whose optimizer owns the synchronisation (see
-``SYNC_OPTIMIZER_BUILDERS``) train the bare model without DDP: each rank runs
-``loss.backward()`` on its own data, ``--grad-clip`` clips the local
-gradient, and ``opt.step()`` decides what is communicated and when.
-
-Timing: ``train_time_s`` is the wall time spent in training steps (forward,
-backward, communication, optimizer), excluding evaluation; for IST it includes
-the ``synchronize()`` that precedes each evaluation. The clock starts after a
-collective that every rank enters once its model is wrapped (DDP's broadcast
-of rank 0's parameters done), so no rank's start-up is charged to a training
-step. Time-to-target is the
-``train_time_s`` of the first evaluation whose metric reaches the target:
-test accuracy >= ``--target-acc`` (mlp, cnn) or validation loss <=
-``--target-loss`` (gpt).
-
-Times on slower links (``--link-times``, default ``1gbit,100mbit`` for
-spawned ranks): after training every rank times a few collectives of the
-method's kind on the link it used (loopback), and rank 0 records under
-``"link_times"`` its compute time (train time minus those collectives) and its
-train time and time-to-target projected onto each rate with the cost model of
-:mod:`slimcomm.train_projection`; the table printed after the comparison marks
-every figure measured or projected.
-
-Modules
--------
-This module holds the workloads' tasks, the training loop, the results JSON
-and the driver (:func:`run`, :func:`main`). The options, their defaults and
-their validation live in :mod:`slimcomm.train_args`; how each method wraps the
-model and optimizer, and counts its bytes, in :mod:`slimcomm.train_methods`.
-Their names are re-exported here (``slimcomm.train.build_parser``, ...).
+:func:`main` is ``python -m slimcomm.train`` / ``slimcomm-train`` (what the
+command does is described in :mod:`slimcomm.train`); :func:`run` runs one
+method, spawning its ranks or joining an external launch; :func:`_train` is one
+rank's loop over a task's batches (:mod:`slimcomm.train.tasks`), with the
+evaluations, the time to target and the per-link projection, and writes the
+results JSON (:func:`_write_json_atomic`). The options live in
+:mod:`slimcomm.train.args`, the methods in :mod:`slimcomm.train.methods`, the
+tables and plots in :mod:`slimcomm.train.report`.
 """
 
 from __future__ import annotations
@@ -139,24 +28,20 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from .workloads import data as data_mod
 from .workloads import models as models_mod
 from .workloads import text as text_mod
-from .agreement import agree_across_ranks
+from ..agreement import agree_across_ranks
 from .report import RESULT_FORMAT, compare_table, compute_config_key, plot_results, setting_summary
 from .wire import WireCounter
-from . import train_projection
-from .train_args import (ADAMW_DEFAULTS, CNN_METHOD_DEFAULTS, GPT_DEFAULTS, LOG_FORMAT, LOG_LEVELS,  # noqa: F401
-                         METHOD_DEFAULTS, METHODS, MODELS, SYNC_DEFAULTS, _resolve_launch,
-                         apply_method_defaults, build_parser, log_level, setup_logging)
-from .train_methods import SYNC_OPTIMIZER_BUILDERS, _Method, lr_factor, model_device  # noqa: F401
+from . import projection as train_projection
+from .args import _resolve_launch, apply_method_defaults, build_parser, log_level, setup_logging
+from .methods import _Method
+from .tasks import _ImageTask, _TextTask
 
-log = logging.getLogger("slimcomm.train" if __name__ == "__main__" else __name__)
+log = logging.getLogger("slimcomm.train")  # the command's name in its log lines
 
-__all__ = ["METHODS", "MODELS", "build_parser", "build_model", "apply_method_defaults", "run", "compare_table",
-           "plot_results", "main"]
+__all__ = ["build_model", "run", "main", "machine_note"]  # the package re-exports these (slimcomm.train.main, ...)
 
 BYTES_DEFINITION = (
     "payload bytes each rank hands to collectives (all_reduce input size or own all_gather contribution), "
@@ -194,23 +79,6 @@ def _agree(error: Optional[BaseException], fingerprint: int, device) -> None:
                            "hyperparameters differ); every rank must get the same flags")
 
 
-@torch.no_grad()
-def _evaluate(model, x, y, rank, world_size, device):
-    """Test loss and accuracy over the whole test set, split across ranks; one scalar all-reduce."""
-    was = model.training
-    model.eval()
-    xs, ys = x[rank::world_size], y[rank::world_size]
-    correct = 0.0
-    loss_sum = 0.0
-    for i in range(0, xs.shape[0], 2048):
-        out = model(xs[i:i + 2048])
-        loss_sum += float(F.cross_entropy(out, ys[i:i + 2048], reduction="sum"))
-        correct += float((out.argmax(1) == ys[i:i + 2048]).sum())
-    t = torch.tensor([correct, loss_sum, float(xs.shape[0])], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    model.train(was)
-    return t[0].item() / t[2].item(), t[1].item() / t[2].item()
-
 
 def _worker(rank: int, args: argparse.Namespace, init_method: str) -> Optional[Dict[str, Any]]:
     """Body of one rank. Returns the results dict on rank 0 (also written to args.out), else None."""
@@ -237,160 +105,6 @@ def _worker(rank: int, args: argparse.Namespace, init_method: str) -> Optional[D
     finally:
         dist.destroy_process_group()
 
-
-class _ImageTask:
-    """``--model mlp`` / ``cnn``: per-rank shards of Fashion-MNIST or digits; metric: test accuracy."""
-
-    metric = {"name": "test_acc", "goal": "max", "unit": "accuracy"}
-    classify = True
-
-    def __init__(self, args, rank: int, world_size: int, device):
-        self.args, self.rank = args, rank
-        ds = data_mod.load_dataset(args.dataset, args.data_dir,
-                                   log=data_mod.logger.warning if rank == 0 else None)
-        shard = data_mod.shard_indices(ds.x_train.shape[0], rank, world_size, seed=args.seed,
-                                       subset=args.train_subset)
-        if args.batch_size > shard.numel():
-            raise ValueError(f"--batch-size {args.batch_size} is larger than the per-rank shard ({shard.numel()} samples)")
-        x_train = ds.x_train[shard]
-        x_test, y_test = ds.x_test, ds.y_test
-        if args.test_subset is not None:
-            x_test, y_test = x_test[: args.test_subset], y_test[: args.test_subset]
-        if x_test.shape[0] < world_size:
-            raise ValueError(f"--test-subset {x_test.shape[0]} must be >= --world-size {world_size}")
-        self.side = None
-        if args.model == "cnn":
-            side = math.isqrt(ds.num_features)
-            if side * side != ds.num_features:
-                raise ValueError(f"--model cnn needs square single-channel images; {ds.name} has "
-                                 f"{ds.num_features} features per sample")
-            self.side = side
-            x_train, x_test = x_train.view(-1, 1, side, side), x_test.reshape(-1, 1, side, side)
-        self.x_train, self.y_train = x_train.to(device), ds.y_train[shard].to(device)
-        self.x_test, self.y_test = x_test.to(device), y_test.to(device)
-        torch.manual_seed(args.seed)
-        if args.model == "cnn":
-            self.model = models_mod.ConvNet(num_classes=ds.num_classes, in_channels=1, image_size=self.side)
-        else:
-            self.model = models_mod.build_mlp(ds.num_features, args.hidden, ds.num_classes)
-            if args.method == "ist" and min(args.hidden) < world_size:
-                raise ValueError(f"--hidden {args.hidden}: IST needs every hidden width >= --world-size {world_size}")
-        self.model = self.model.to(device)
-        self.ds, self.shard_size, self.device = ds, int(shard.numel()), device
-        self.steps_per_epoch = self.shard_size // args.batch_size
-        self.total_steps = args.steps if args.steps is not None else args.epochs * self.steps_per_epoch
-        self.num_epochs = -(-self.total_steps // self.steps_per_epoch)
-        if args.warmup_lr_steps > self.total_steps:
-            raise ValueError(f"--warmup-lr-steps {args.warmup_lr_steps} exceeds the {self.total_steps} training steps")
-        self.fingerprint_extra = [ds.name, self.shard_size]
-
-    loss_fn = staticmethod(F.cross_entropy)
-
-    def segments(self):
-        """``(epoch, steps, get)`` per epoch; ``get(i)`` gives batch ``i``; the last epoch may be partial (--steps)."""
-        left, epoch = self.total_steps, 0
-        while left > 0:
-            idx = data_mod.epoch_batches(self.shard_size, self.args.batch_size, epoch, self.args.seed, self.rank)
-            idx = idx[:left]
-            yield epoch, len(idx), (lambda i, idx=idx: (self.x_train[idx[i]], self.y_train[idx[i]]))
-            left -= len(idx)
-            epoch += 1
-
-    def progress(self, epoch: int, steps_done: int) -> Dict[str, Any]:
-        return {"epoch": round(epoch + steps_done / self.steps_per_epoch, 4)}
-
-    def bar_label(self, epoch) -> str:
-        return f"epoch {epoch + 1}/{self.num_epochs}"
-
-    def evaluate(self, model, world_size) -> Dict[str, float]:
-        acc, loss = _evaluate(model, self.x_test, self.y_test, self.rank, world_size, self.device)
-        return {"test_acc": acc, "test_loss": loss}
-
-    def reached(self, rec) -> Optional[float]:
-        """The target if ``rec`` reaches it, else None."""
-        return self.args.target_acc if rec["test_acc"] >= self.args.target_acc else None
-
-    def describe(self) -> Dict[str, Any]:
-        ds = self.ds
-        return {"name": ds.name, "source": ds.source, "train_samples_per_rank": self.shard_size,
-                "test_samples": int(self.x_test.shape[0]), "features": ds.num_features}
-
-    def model_info(self) -> Dict[str, Any]:
-        if self.args.model == "cnn":
-            return {"name": "cnn", "image_size": self.side}
-        return {"name": "mlp", "hidden": list(self.args.hidden)}
-
-
-class _TextTask:
-    """``--model gpt``: random windows from per-rank shards of a text corpus; metric: validation loss."""
-
-    metric = {"name": "val_loss", "goal": "min", "unit": "nats/token"}
-    classify = False
-    steps_per_epoch = None
-
-    def __init__(self, args, rank: int, world_size: int, device):
-        self.args, self.rank, self.device = args, rank, device
-        corpus = text_mod.load_corpus(args.text_file, args.tokens)
-        self.corpus = corpus
-        self.windows = text_mod.TrainWindows(corpus.train, args.block_size, args.batch_size, rank, world_size,
-                                             seed=args.seed)
-        self.val = [(x.to(device), y.to(device)) for x, y in
-                    text_mod.validation_batches(corpus.val, args.block_size, args.batch_size, args.val_batches)]
-        torch.manual_seed(args.seed)
-        self.model = models_mod.GPT(corpus.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
-                                    n_embd=args.n_embd, n_head=args.n_head, dropout=args.dropout).to(device)
-        # dropout masks: a different stream per rank (the initial weights are the same everywhere)
-        torch.manual_seed(text_mod._rank_seed(args.seed, rank + 1_000_003))
-        self.total_steps = args.steps
-        self.vocab_size = corpus.vocab_size
-        self.fingerprint_extra = [corpus.name, corpus.num_tokens, corpus.vocab_size]
-
-    def loss_fn(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    def segments(self):
-        dev = self.device
-
-        def get(i):
-            x, y = self.windows.next_batch()
-            return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-
-        yield None, self.total_steps, get
-
-    def progress(self, epoch, steps_done) -> Dict[str, Any]:
-        return {}
-
-    def bar_label(self, epoch) -> str:
-        return f"{self.total_steps} steps"
-
-    @torch.no_grad()
-    def evaluate(self, model, world_size) -> Dict[str, float]:
-        """Mean validation loss (nats/token) over all validation batches; each rank takes every W-th one."""
-        was = model.training
-        model.eval()
-        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for x, y in self.val[self.rank::world_size]:
-            acc[0] += F.cross_entropy(model(x).reshape(-1, self.vocab_size), y.reshape(-1), reduction="sum").double()
-            acc[1] += y.numel()
-        dist.all_reduce(acc)
-        model.train(was)
-        return {"val_loss": acc[0].item() / acc[1].item()}
-
-    def reached(self, rec) -> Optional[float]:
-        t = self.args.target_loss
-        return t if t is not None and rec["val_loss"] <= t else None
-
-    def describe(self) -> Dict[str, Any]:
-        c, a = self.corpus, self.args
-        return {"name": c.name, "source": c.source, "tokens": c.tokenizer, "vocab_size": c.vocab_size,
-                "vocab": c.vocab, "train_tokens": int(c.train.numel()), "val_tokens": int(c.val.numel()),
-                "train_tokens_per_rank": int(self.windows.shard.numel()),
-                "val_batches": a.val_batches, "val_tokens_evaluated": a.val_batches * a.batch_size * a.block_size}
-
-    def model_info(self) -> Dict[str, Any]:
-        a = self.args
-        return {"name": "gpt", "n_layer": a.n_layer, "n_embd": a.n_embd, "n_head": a.n_head,
-                "block_size": a.block_size, "vocab_size": self.vocab_size, "dropout": a.dropout}
 
 
 def _train(rank, world_size, args, device, backend):
@@ -530,7 +244,7 @@ def _train(rank, world_size, args, device, backend):
         "format": RESULT_FORMAT,
         "method": args.method,
         "config": config,
-        # groups runs that differ only by seed (--plot-from; slimcomm.report.config_key)
+        # groups runs that differ only by seed (--plot-from; slimcomm.train.report.config_key)
         "config_key": compute_config_key(config, dataset_info["name"]),
         "world_size": world_size,
         "backend": backend,
@@ -734,7 +448,3 @@ def machine_note(results) -> str:
             f"{os.cpu_count()} cores, {','.join(map(str, threads))} thread(s) per rank, {load} at the end), "
             "so they change with the machine and its load; test acc: the same for the same seed, torch and "
             "threads; MB: exact byte counts, the same on every machine")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
