@@ -387,6 +387,14 @@ def _build_plan(model: nn.Module) -> _Plan:
     return _Plan(linears, hidden_sizes, slices, shared, counters, dtype, device, descriptor)
 
 
+def _grad_exponents(plan: _Plan) -> List[int]:
+    """Sliced dimensions ``k`` of every payload tensor (plan.slices, then shared):
+    its subnet gradient is scaled by ``world_size ** -k`` (module docstring,
+    "Gradient scaling")."""
+    return ([(s.row_layer is not None) + (s.col_layer is not None) for s in plan.slices]
+            + [0] * len(plan.shared))
+
+
 def _check_blocks(plan: _Plan, blocks: Any, rank: Any) -> int:
     """Validate ``blocks`` against the model and ``rank``; return world_size."""
     if not isinstance(blocks, Sequence) or len(blocks) != len(plan.hidden_sizes):
@@ -1001,8 +1009,7 @@ class ISTTrainer:
             grads.flat.zero_()
         else:
             plan = self._plan
-            exps = ([(s.row_layer is not None) + (s.col_layer is not None) for s in plan.slices]
-                    + [0] * len(plan.shared))
+            exps = _grad_exponents(plan)
             tensors = [getattr(m, a) for m, a in self._subnet_tensors(subnet)]
             flat = torch.zeros(sum(t.numel() for t in tensors), dtype=plan.dtype,
                                device=plan.device)
