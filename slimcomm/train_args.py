@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("ist (slimcomm.ist.ISTTrainer)")
     g.add_argument("--local-steps", type=_positive_int("--local-steps"), default=10,
                    help="local steps per synchronisation round")
+    g.add_argument("--no-scale-grads", action="store_true",
+                   help="the original IST update: do not scale each sliced tensor's gradient by its share "
+                        "of the tensor (world_size**-k); its stable lr then shrinks with the world size")
 
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="results JSON path (single method; default OUT_DIR/METHOD.json)")
