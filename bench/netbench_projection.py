@@ -28,9 +28,10 @@ from __future__ import annotations
 import copy
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["timed_args", "project_run", "dense_warmup_steps", "sync_period", "steady_ms_per_step"]
+__all__ = ["timed_args", "project_run", "dense_warmup_steps", "sync_period", "steady_ms_per_step",
+           "apply_budget"]
 
-_DROP_WITH_VALUE = ("--epochs", "--steps")
+_DROP_WITH_VALUE = ("--epochs", "--steps", "--time-budget")
 _DROP_ALONE = ("--stop-at-target",)
 
 
@@ -53,6 +54,44 @@ def timed_args(extra: Sequence[str], steps: int) -> List[str]:
             continue
         out.append(tok)
     return out + ["--steps", str(steps)]
+
+
+def apply_budget(run: Dict, budget_s: float) -> Dict:
+    """``run`` cut at a training-time budget (netbench ``--time-budget``), e.g. a projected run.
+
+    Keeps the evaluations whose ``train_time_s`` is at most ``budget_s``; ``final`` becomes
+    the last one kept (its accuracy/loss, time, bytes; ``steps`` its step), the time to
+    target is dropped if it lies beyond the budget, and ``budget_s`` is recorded. A run
+    whose first evaluation is already past the budget keeps no evaluation and a ``final``
+    without scores. Returns a new dict.
+
+    Raises:
+        ValueError: ``budget_s`` is not positive.
+    """
+    if not budget_s > 0:
+        raise ValueError(f"--time-budget must be > 0, got {budget_s}")
+    out = copy.deepcopy(run)
+    kept = [e for e in out.get("evals", []) if e["train_time_s"] <= budget_s]
+    out["evals"] = kept
+    out["epochs"] = [e for e in out.get("epochs", []) if e["train_time_s"] <= budget_s]
+    final = dict(out["final"])
+    if kept:
+        last = kept[-1]
+        for k, v in last.items():
+            if k not in ("epoch", "step", "train_loss"):
+                final[k] = v
+        out["steps"] = last["step"]
+    else:
+        final = {k: v for k, v in final.items() if k in ("eval_time_s", "wall_time_s")}
+        final.update(train_time_s=0.0, bytes_sent_per_rank=0)
+        out["steps"] = 0
+    out["final"] = final
+    ttt = out.get("time_to_target")
+    if ttt is not None and ttt["train_time_s"] > budget_s:
+        out["time_to_target"] = None
+    out["budget_s"] = budget_s
+    out["stopped_at_budget"] = True
+    return out
 
 
 def dense_warmup_steps(run: Dict) -> int:

@@ -254,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validation loss (nats/token) for time-to-target (gpt; default: none)")
     g.add_argument("--stop-at-target", action="store_true",
                    help="stop training at the first evaluation that reaches --target-acc / --target-loss")
+    g.add_argument("--time-budget", type=_positive_float("--time-budget"), default=None, metavar="S",
+                   help="stop at the first evaluation (--eval-every, epoch ends) at which the training wall "
+                        "time (evaluation excluded; the slowest rank's) reaches S seconds, so a method with "
+                        "cheap steps runs as many as its time allows; --epochs/--steps stay the upper bound")
 
     g = p.add_argument_group("powersgd")
     g.add_argument("--powersgd-rank", type=_positive_int("--powersgd-rank"), default=4,
