@@ -1167,7 +1167,7 @@ class ISTTrainer:
         sub = [getattr(*attrs[t]) for t in self._shared_slices]
         local_r = [r for r, _ in self._shared_local]
         local_c = [c for _, c in self._shared_local]
-        part = ops.gather_slices_multi([t.detach() for t in sub], local_r, local_c).float()
+        part = ops.gather_slices_multi(sub, local_r, local_c).float()   # under no_grad
         dist.all_reduce(part, group=self._pg)
         part = part.div_(w).to(plan.dtype)
         full = [getattr(self.model[plan.slices[t].module], plan.slices[t].name)

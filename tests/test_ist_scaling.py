@@ -176,3 +176,194 @@ def test_trainer_scaled_grads_match_reference_and_replicas_agree(world_size):
         _assert_states_equal(res[0]["rounds"][1]["model"], r["resumed"])
     # Scaling changes training (the test would pass trivially if it were a no-op).
     assert not torch.equal(res[0]["raw"]["3.weight"], res[0]["rounds"][0]["model"]["3.weight"])
+
+
+# ---------------------------------------------------------------------------
+# Shared neurons (overlapping subnets)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size, frac", [(2, 0.25), (3, 0.5), (8, 0.3)])
+def test_partition_with_shared_neurons(world_size, frac):
+    sizes = [40, 23]
+    counts = ist.shared_counts(sizes, world_size, frac)
+    assert counts == [min(int(frac * n), n - world_size) for n in sizes]
+    blocks = ist.partition(sizes, world_size, 7, 3, shared=frac)
+    for l, (n, m) in enumerate(zip(sizes, counts)):
+        head = blocks[l][0][:m]
+        assert torch.equal(head, torch.sort(head).values)
+        own = []
+        for b in blocks[l]:
+            assert torch.equal(b[:m], head)                        # same shared prefix everywhere
+            assert torch.equal(b[m:], torch.sort(b[m:]).values)    # own chunk sorted
+            own.append(b[m:])
+        every = torch.cat([head] + own)
+        assert torch.equal(torch.sort(every).values, torch.arange(n))   # shared + own = a partition
+        assert max(o.numel() for o in own) - min(o.numel() for o in own) <= 1
+    # shared = 0 is the plain partition, bit for bit
+    plain, zero = ist.partition(sizes, world_size, 7, 3), ist.partition(sizes, world_size, 7, 3, shared=0.0)
+    assert all(torch.equal(a, b) for la, lb in zip(plain, zero) for a, b in zip(la, lb))
+    with pytest.raises(ValueError, match="shared"):
+        ist.partition(sizes, world_size, 7, 3, shared=1.0)
+    assert ist.shared_counts(sizes, 1, 0.5) == [0, 0]
+
+
+def test_overlapping_blocks_are_validated():
+    model = _symmetric_mlp()
+    blocks = ist.partition([24, 24], 4, 1, 0, shared=0.25)
+    counts = ist.shared_counts([24, 24], 4, 0.25)
+    ist.extract_subnet(model, blocks, 1, shared=counts)
+    with pytest.raises(ValueError, match="holds 42 indices"):
+        ist.extract_subnet(model, blocks, 1)        # overlapping blocks without shared counts
+    bad = [[b.clone() for b in layer] for layer in blocks]
+    bad[0][2][0] = (bad[0][2][0] + 1) % 24
+    with pytest.raises(ValueError, match="same 6 shared"):
+        ist.extract_subnet(model, bad, 0, shared=counts)
+
+
+@pytest.mark.parametrize("world_size, frac", [(2, 0.5), (4, 0.25), (8, 0.25)])
+def test_shared_subnet_gradients_are_the_full_models(world_size, frac):
+    # Per-neuron scale c (1 shared, W own); gradient (i, j) times 1 / (c_i c_j) = the full model's.
+    model = _symmetric_mlp(n=32)
+    counts = ist.shared_counts([32, 32], world_size, frac)
+    assert all((32 - m) % world_size == 0 for m in counts)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 7, generator=g), torch.randint(0, 4, (16,), generator=g)
+    F.cross_entropy(model(x), y).backward()
+    blocks = ist.partition([32, 32], world_size, 5, 2, shared=frac)
+    for rank in range(world_size):
+        sub = ist.extract_subnet(model, blocks, rank, shared=counts)
+        scales = [m for m in sub if type(m) is ist.InputScale]
+        assert [s.scale[:counts[i]].unique().tolist() for i, s in enumerate(scales)] == [[1.0], [1.0]]
+        torch.testing.assert_close(sub(x), model(x), rtol=1e-5, atol=1e-6)
+        F.cross_entropy(sub(x), y).backward()
+        lin = [m for m in sub if type(m) is nn.Linear]
+        c = [torch.cat([torch.ones(m), torch.full(((32 - m) // world_size,), float(world_size))])
+             for m in counts]
+        b0, b1 = blocks[0][rank], blocks[1][rank]
+        pairs = [(lin[0].weight, model[0].weight.grad[b0], c[0][:, None]),
+                 (lin[0].bias, model[0].bias.grad[b0], c[0]),
+                 (lin[1].weight, model[2].weight.grad[b1][:, b0], c[1][:, None] * c[0][None, :]),
+                 (lin[1].bias, model[2].bias.grad[b1], c[1]),
+                 (lin[2].weight, model[4].weight.grad[:, b1], c[1][None, :])]
+        for p, full, cc in pairs:
+            torch.testing.assert_close(p.grad / cc, full, rtol=1e-4, atol=1e-7)
+
+
+def _shared_body(rank, world_size, frac, depth=1):
+    factory = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    model = _dist_model(seed=rank)
+    trainer = ist.ISTTrainer(model, factory, local_steps=3, seed=11, shared=frac)
+    counts = ist.shared_counts(list(DIST_SIZES[1:3]), world_size, frac)
+    g = torch.Generator().manual_seed(100 + rank)
+    data = [(torch.randn(8, DIST_SIZES[0], generator=g),
+             torch.randint(0, DIST_SIZES[3], (8,), generator=g)) for _ in range(9)]
+    out = {"rounds": [], "counts": counts}
+    for rnd in range(3):
+        before = _state(model)
+        blocks = [[b.clone() for b in layer] for layer in trainer.blocks]
+        for i, (x, y) in enumerate(data[3 * rnd:3 * rnd + 2]):
+            trainer.step(x, y, F.cross_entropy)
+        if rnd == 1:
+            out["mid_state"] = copy.deepcopy(trainer.state_dict())
+        trained = _state(trainer.subnet)
+        trainer.synchronize()
+        out["rounds"].append(dict(before=before, blocks=blocks, model=_state(model), trained=trained))
+    fresh = ist.ISTTrainer(_dist_model(seed=9), factory, local_steps=3, seed=11, shared=frac)
+    fresh.load_state_dict(out.pop("mid_state"))
+    fresh.synchronize()
+    out["resumed"] = _state(fresh.model)
+    out["stats"] = trainer.stats
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_trainer_with_shared_neurons_averages_the_shared_region(world_size):
+    frac = 0.4
+    res = run_workers(_shared_body, world_size, frac, timeout=240)
+    counts = res[0]["counts"]
+    assert all(counts)
+    for r in res[1:]:
+        for a, b in zip(res[0]["rounds"], r["rounds"]):
+            _assert_states_equal(a["model"], b["model"])      # replicas identical after every sync
+        _assert_states_equal(res[0]["rounds"][1]["model"], r["resumed"])  # bit-exact resume
+    _assert_states_equal(res[0]["rounds"][1]["model"], res[0]["resumed"])
+    # The last round, by hand: the hidden Linear's shared x shared block is the mean of every
+    # rank's trained subnet (fp32 sum over ranks / W); the own rows are the owning rank's.
+    m0, m1 = counts
+    rnd = -1
+    blocks = res[0]["rounds"][rnd]["blocks"]
+    final = res[0]["rounds"][rnd]["model"]
+    subs = [r["rounds"][rnd]["trained"] for r in res]   # subnet keys: 4 = hidden Linear, 8 = last
+    mean = sum(sub["4.weight"][:m1, :m0].float() for sub in subs) / world_size
+    torch.testing.assert_close(final["3.weight"][blocks[1][0][:m1]][:, blocks[0][0][:m0]], mean,
+                               rtol=1e-6, atol=1e-7)
+    mean_first = sum(sub["0.weight"][:m0] for sub in subs) / world_size
+    torch.testing.assert_close(final["0.weight"][blocks[0][0][:m0]], mean_first, rtol=1e-6, atol=1e-7)
+    for r, sub in enumerate(subs):        # own rows (x the whole block): exactly the owner's values
+        own1, blk0 = blocks[1][r][m1:], blocks[0][r]
+        assert torch.equal(final["3.weight"][own1][:, blk0], sub["4.weight"][m1:])
+        assert torch.equal(final["6.weight"][:, own1], sub["8.weight"][:, m1:])
+        assert torch.equal(final["0.weight"][blocks[0][r][m0:]], sub["0.weight"][m0:])
+    before = res[0]["rounds"][rnd]["before"]
+    s0, s1 = blocks[0][0][:m0], blocks[1][0][:m1]
+    # Untrained cross-block weights (own rows of one rank x own columns of another) keep their value.
+    for r in range(world_size):
+        for q in range(world_size):
+            if r != q:
+                rows, cols = blocks[1][r][m1:], blocks[0][q][m0:]
+                assert torch.equal(final["3.weight"][rows][:, cols], before["3.weight"][rows][:, cols])
+    assert not torch.equal(final["3.weight"][s1][:, s0], before["3.weight"][s1][:, s0])
+    # Bytes: the all-gather and the fp32 all-reduce of the shared region are both counted.
+    st = res[0]["stats"]
+    assert st.rounds == 3 and st.payload_bytes > 0 and st.bytes_sent > 0
+
+
+def _shared_sync_ops(rank, world_size, hidden_layers):
+    from slimcomm._opcount import OpCounter
+    torch.manual_seed(0)
+    layers = [nn.Linear(5, 8)]
+    for l in range(hidden_layers):
+        layers += [nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 8 if l < hidden_layers - 1 else 3)]
+    trainer = ist.ISTTrainer(nn.Sequential(*layers), lambda p: torch.optim.SGD(p, lr=0.05),
+                             local_steps=2, seed=1, shared=0.5)
+    counter = OpCounter()
+    part = {"ops": 0}
+    real_partition = ist.partition
+
+    def counted_partition(*args, **kwargs):
+        before = counter.total
+        out = real_partition(*args, **kwargs)
+        part["ops"] += counter.total - before
+        return out
+
+    real_sync = trainer.synchronize
+    rows = []
+
+    def counted_sync():
+        counter.reset()
+        part["ops"] = 0
+        with counter:
+            real_sync()
+        rows.append((counter.total - part["ops"], counter.host_syncs, dict(counter.ops)))
+
+    trainer.synchronize = counted_sync
+    ist.partition = counted_partition
+    try:
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(8):
+            trainer.step(torch.randn(4, 5, generator=g), torch.randint(0, 3, (4,), generator=g),
+                         F.cross_entropy)
+    finally:
+        ist.partition = real_partition
+    return rows
+
+
+def test_shared_synchronize_ops_constant_in_depth_and_no_host_sync():
+    per = {}
+    for depth in (2, 5):
+        rows = run_workers(_shared_sync_ops, 2, depth, timeout=240)[0]
+        assert all(s == 0 for _, s, _ in rows), rows
+        per[depth] = {t for t, _, _ in rows}
+        assert len(per[depth]) == 1, rows
+    assert per[2] == per[5], per
