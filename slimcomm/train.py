@@ -167,7 +167,7 @@ def _config_fingerprint(args, extra) -> int:
             "min_lr", "grad_clip", "seed", "powersgd_rank", "powersgd_start_iter", "core_ratio", "explore_ratio",
             "core_refresh", "warmup_steps", "value_dtype", "local_steps", "eval_every", "device", "tokens",
             "n_layer", "n_embd", "n_head", "block_size", "dropout", "val_batches", "sync_every", "outer_lr",
-            "outer_momentum", "value_bits", "error_decay", "no_scale_grads", "time_budget")
+            "outer_momentum", "value_bits", "error_decay", "no_scale_grads", "time_budget", "ist_shared")
     s = json.dumps([[k, getattr(args, k)] for k in keys] + [extra], default=str)
     return int.from_bytes(hashlib.sha256(s.encode()).digest()[:6], "little")
 

@@ -154,6 +154,7 @@ class _Method:
                 local_steps=args.local_steps,
                 seed=args.seed,
                 scale_grads=not args.no_scale_grads,
+                shared=args.ist_shared,
             )
             return
         if self.sync_optimizer:
