@@ -745,9 +745,14 @@ class ISTStats:
             ``n_in * n_out / world_size`` for the first and last layer and
             ``n_in * n_out / world_size**2`` between hidden layers (exactly:
             the product of the block sizes).
+            With shared neurons (``ISTTrainer(shared=f)``) it also counts the
+            shared region handed to the extra ``all_reduce`` (fp32, 4 bytes
+            per element) every round.
         bytes_sent, bytes_received: this rank's traffic in the synchronisation
             ``all_gather`` under the ring algorithm: ``(world_size - 1)`` times
-            the padded buffer (the largest rank's payload) per round, each way.
+            the padded buffer (the largest rank's payload) per round, each way;
+            with shared neurons plus the ring ``all_reduce`` of the shared
+            region, ``2 (world_size - 1) / world_size`` times its bytes.
         dense_bytes_sent, dense_bytes_received: what data-parallel training
             with a ring all-reduce of every trainable parameter's gradient
             (``N`` elements) would move per rank over the same ``steps``:
