@@ -267,8 +267,11 @@ def _shared_body(rank, world_size, frac, depth=1):
         if rnd == 1:
             out["mid_state"] = copy.deepcopy(trainer.state_dict())
         trained = _state(trainer.subnet)
+        mine = trainer.payload_numel(rank)
+        widest = max(trainer.payload_numel(q) for q in range(world_size))
         trainer.synchronize()
-        out["rounds"].append(dict(before=before, blocks=blocks, model=_state(model), trained=trained))
+        out["rounds"].append(dict(before=before, blocks=blocks, model=_state(model), trained=trained,
+                                  mine=mine, widest=widest))
     fresh = ist.ISTTrainer(_dist_model(seed=9), factory, local_steps=3, seed=11, shared=frac)
     fresh.load_state_dict(out.pop("mid_state"))
     fresh.synchronize()
@@ -315,8 +318,15 @@ def test_trainer_with_shared_neurons_averages_the_shared_region(world_size):
                 assert torch.equal(final["3.weight"][rows][:, cols], before["3.weight"][rows][:, cols])
     assert not torch.equal(final["3.weight"][s1][:, s0], before["3.weight"][s1][:, s0])
     # Bytes: the all-gather and the fp32 all-reduce of the shared region are both counted.
-    st = res[0]["stats"]
-    assert st.rounds == 3 and st.payload_bytes > 0 and st.bytes_sent > 0
+    d, h1, h2, o = DIST_SIZES
+    n_shared = d * m0 + m0 + 4 * m0 + m1 * m0 + m1 + 2 * m1 + o * m1   # Linear, BN, Linear, LN, Linear
+    w = world_size
+    for rank, r in enumerate(res):
+        st = r["stats"]
+        assert st.rounds == 3
+        assert st.payload_bytes == sum(4 * (x["mine"] + n_shared) for x in r["rounds"])
+        assert st.bytes_sent == sum(4 * (w - 1) * x["widest"] + 2 * (w - 1) * n_shared * 4 // w
+                                    for x in r["rounds"])
 
 
 def _shared_sync_ops(rank, world_size, hidden_layers):
