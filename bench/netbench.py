@@ -327,6 +327,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "stops at the first evaluation past S s, so a method with cheap steps runs as many as "
                         "S allows; --epochs/--steps after -- stay the upper bound) and every projected row is "
                         "cut at S s of its projected time; the tables then compare accuracy at the budget")
+    p.add_argument("--timed-eval-every", type=int, default=None, metavar="N",
+                   help="--eval-every of the timed runs only (default: the one after --); the steady ms/step "
+                        "needs several evaluation windows in the timed steps, e.g. 20 of 120")
     p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
                    help="extra slimcomm.train flags for one method, e.g. slimdp='--momentum 0 --lr 0.2' "
                         "(repeatable; shown in the table)")
@@ -435,7 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         timed = rate in timed_rates
                         if timed:
                             n_timed = timed_steps.get(m, timed_steps[None])
-                            extra = timed_args(extra, n_timed)
+                            extra = timed_args(extra, n_timed, a.timed_eval_every)
                             path = path[:-5] + "_timed.json"
                         r = _reusable(path, extra) if a.reuse else None
                         if r is None:

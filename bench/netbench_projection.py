@@ -35,11 +35,16 @@ _DROP_WITH_VALUE = ("--epochs", "--steps", "--time-budget")
 _DROP_ALONE = ("--stop-at-target",)
 
 
-def timed_args(extra: Sequence[str], steps: int) -> List[str]:
+def timed_args(extra: Sequence[str], steps: int, eval_every: Optional[int] = None) -> List[str]:
     """``extra`` (slimcomm.train flags) for the timed run: ``--epochs``/``--steps``/
-    ``--stop-at-target`` removed (also as ``--flag=value``), ``--steps steps`` appended."""
+    ``--time-budget``/``--stop-at-target`` removed (also as ``--flag=value``), ``--steps steps``
+    appended; with ``eval_every`` also ``--eval-every`` replaced by it (the steady ms/step needs
+    several evaluation windows past the start-up, e.g. every 20 of 120 timed steps, while the
+    full run may evaluate less often)."""
     if steps < 1:
         raise ValueError(f"--timed-steps must be >= 1, got {steps}")
+    if eval_every is not None and eval_every < 1:
+        raise ValueError(f"--timed-eval-every must be >= 1, got {eval_every}")
     out: List[str] = []
     skip = False
     for tok in extra:
@@ -47,13 +52,14 @@ def timed_args(extra: Sequence[str], steps: int) -> List[str]:
             skip = False
             continue
         flag = tok.split("=", 1)[0]
-        if flag in _DROP_WITH_VALUE:
+        if flag in _DROP_WITH_VALUE or (eval_every is not None and flag == "--eval-every"):
             skip = "=" not in tok
             continue
         if flag in _DROP_ALONE:
             continue
         out.append(tok)
-    return out + ["--steps", str(steps)]
+    out += ["--steps", str(steps)]
+    return out + (["--eval-every", str(eval_every)] if eval_every is not None else [])
 
 
 def apply_budget(run: Dict, budget_s: float) -> Dict:
@@ -86,6 +92,11 @@ def apply_budget(run: Dict, budget_s: float) -> Dict:
         final.update(train_time_s=0.0, bytes_sent_per_rank=0)
         out["steps"] = 0
     out["final"] = final
+    old_steps = max(1, int(run.get("steps") or 1))
+    for w in out.get("wire") or []:   # interface counters: pro rata to the steps kept
+        for k in ("tx_bytes", "rx_bytes"):
+            if k in w:
+                w[k] = int(w[k] * out["steps"] / old_steps)
     ttt = out.get("time_to_target")
     if ttt is not None and ttt["train_time_s"] > budget_s:
         out["time_to_target"] = None

@@ -85,3 +85,19 @@ def test_timed_runs_drop_the_budget():
     assert timed_args(["--epochs", "9", "--time-budget", "30", "--lr", "0.1"], 24) == \
         ["--lr", "0.1", "--steps", "24"]
     assert timed_args(["--time-budget=30"], 12) == ["--steps", "12"]
+
+
+def test_timed_eval_every_replaces_the_full_runs():
+    assert timed_args(["--eval-every", "117", "--epochs", "9"], 120, 20) == \
+        ["--steps", "120", "--eval-every", "20"]
+    assert timed_args(["--eval-every=117"], 120) == ["--eval-every=117", "--steps", "120"]
+    with pytest.raises(ValueError, match="timed-eval-every"):
+        timed_args([], 120, 0)
+
+
+def test_apply_budget_scales_wire_counters_to_the_kept_steps():
+    run = _run([1.0, 2.0, 3.0, 4.0])
+    run["wire"] = [{"iface": "v0", "tx_bytes": 4000, "rx_bytes": 8000, "per_step_bytes": []}]
+    out = apply_budget(run, 2.0)
+    assert out["steps"] == 20 and out["wire"][0]["tx_bytes"] == 2000 and out["wire"][0]["rx_bytes"] == 4000
+    assert run["wire"][0]["tx_bytes"] == 4000
