@@ -136,6 +136,7 @@ from .agreement import agree_across_ranks, gather_across_ranks
 __all__ = [
     "SUPPORTED_MODULES",
     "partition",
+    "shared_counts",
     "extract_subnet",
     "write_back",
     "InputScale",
@@ -826,7 +827,7 @@ class ISTTrainer:
     Construction is a collective call on ``process_group``: every rank first
     validates its model locally, then the ranks exchange a 63-bit fingerprint
     of (architecture, dtype, world size, seed, local_steps, rescale,
-    scale_grads) in one
+    scale_grads, shared) in one
     ``all_gather`` of ``world_size`` int64, so a rank with a bad or different
     model makes EVERY rank raise instead of hanging in a later collective.
     Then, with ``broadcast_model=True`` (default, as DDP does), the full model
