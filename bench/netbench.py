@@ -50,7 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from netbench_projection import project_run, timed_args  # noqa: E402
+from netbench_projection import apply_budget, project_run, timed_args  # noqa: E402
 
 METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist", "diloco", "sparseloco", "slimdp-local")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
@@ -322,6 +322,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="training steps of a timed run, optionally per method label, e.g. 120,ddp=24,fp16=24 "
                         "(a multiple of the local-step methods' H keeps their synchronisations in proportion; "
                         "methods without periodic steps, such as ddp, need only a few steps)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="training seconds per run: every full run gets slimcomm.train --time-budget S (it "
+                        "stops at the first evaluation past S s, so a method with cheap steps runs as many as "
+                        "S allows; --epochs/--steps after -- stay the upper bound) and every projected row is "
+                        "cut at S s of its projected time; the tables then compare accuracy at the budget")
+    p.add_argument("--timed-eval-every", type=int, default=None, metavar="N",
+                   help="--eval-every of the timed runs only (default: the one after --); the steady ms/step "
+                        "needs several evaluation windows in the timed steps, e.g. 20 of 120")
     p.add_argument("--method-args", action="append", default=[], metavar="METHOD=ARGS",
                    help="extra slimcomm.train flags for one method, e.g. slimdp='--momentum 0 --lr 0.2' "
                         "(repeatable; shown in the table)")
@@ -349,6 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--timed-rates {sorted(timed_rates - set(rates))} not in --rates")
     if timed_rates and timed_rates >= set(rates):
         p.error("--timed-rates: at least one rate of --rates must run in full (the trajectory)")
+    if a.time_budget is not None and not a.time_budget > 0:
+        p.error(f"--time-budget must be > 0, got {a.time_budget}")
     if timed_rates & stop_rates:
         p.error(f"--timed-rates and --stop-at-target share {sorted(timed_rates & stop_rates)}")
     try:
@@ -366,6 +376,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("network namespaces need root")
     forbidden_args = ["--rank", "--world-size", "--master-addr", "--master-port", "--method", "--compare", "--out",
                       "--wire-iface"]
+    if a.time_budget is not None:
+        forbidden_args.append("--time-budget")
     if a.seeds is not None:
         forbidden_args.append("--seed")
         try:
@@ -418,6 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     for seed in seeds:
                         extra = (list(train_args) + per_method.get(m, [])
                                  + (["--stop-at-target"] if rate in stop_rates else [])
+                                 + (["--time-budget", f"{a.time_budget:g}"] if a.time_budget else [])
                                  + (["--seed", str(seed)] if seed is not None else []))
                         t0 = time.perf_counter()
                         suffix = f"_s{seed}" if seed is not None else ""
@@ -425,7 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         timed = rate in timed_rates
                         if timed:
                             n_timed = timed_steps.get(m, timed_steps[None])
-                            extra = timed_args(extra, n_timed)
+                            extra = timed_args(extra, n_timed, a.timed_eval_every)
                             path = path[:-5] + "_timed.json"
                         r = _reusable(path, extra) if a.reuse else None
                         if r is None:
@@ -441,6 +454,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 json.dump(r, f, indent=1)
                             traj = results[traj_rate][m][len(results[rate][m])]
                             r = project_run(traj, r, traj_rate)
+                            if a.time_budget:
+                                r = apply_budget(r, a.time_budget)
                             r["link"] = {"rate": rate, "measured_mbit": round(measured[rate], 1)}
                             path = path[:-len("_timed.json")] + ".json"
                             print(f"[netbench] {rate} {m}{suffix}: {r['projected']['ms_per_step']:.0f} ms/step "
@@ -475,6 +490,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"batch {cfg['batch_size']} per rank, "
         f"{str(cfg['epochs']) + ' epochs' if cfg.get('epochs') is not None else str(cfg.get('steps')) + ' steps'}, "
         f"evaluation every {cfg['eval_every'] or 'epoch'} steps, {threads} thread(s) per rank, "
+        + (f"time budget {a.time_budget:g} s of training per run (runs stop at the first evaluation past it; "
+           f"projected rows are cut at it), " if a.time_budget else "") +
         f"{'seeds ' + ', '.join(map(str, seeds)) + ' (medians)' if seeds[0] is not None else 'seed %d' % cfg['seed']}.\n"
         f"SGD per method: {optim}.\n"
         f"Time = training wall time (evaluation excluded). MB = {any_r['bytes_definition']}.\n"

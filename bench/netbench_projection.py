@@ -28,17 +28,23 @@ from __future__ import annotations
 import copy
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["timed_args", "project_run", "dense_warmup_steps", "sync_period", "steady_ms_per_step"]
+__all__ = ["timed_args", "project_run", "dense_warmup_steps", "sync_period", "steady_ms_per_step",
+           "apply_budget"]
 
-_DROP_WITH_VALUE = ("--epochs", "--steps")
+_DROP_WITH_VALUE = ("--epochs", "--steps", "--time-budget")
 _DROP_ALONE = ("--stop-at-target",)
 
 
-def timed_args(extra: Sequence[str], steps: int) -> List[str]:
+def timed_args(extra: Sequence[str], steps: int, eval_every: Optional[int] = None) -> List[str]:
     """``extra`` (slimcomm.train flags) for the timed run: ``--epochs``/``--steps``/
-    ``--stop-at-target`` removed (also as ``--flag=value``), ``--steps steps`` appended."""
+    ``--time-budget``/``--stop-at-target`` removed (also as ``--flag=value``), ``--steps steps``
+    appended; with ``eval_every`` also ``--eval-every`` replaced by it (the steady ms/step needs
+    several evaluation windows past the start-up, e.g. every 20 of 120 timed steps, while the
+    full run may evaluate less often)."""
     if steps < 1:
         raise ValueError(f"--timed-steps must be >= 1, got {steps}")
+    if eval_every is not None and eval_every < 1:
+        raise ValueError(f"--timed-eval-every must be >= 1, got {eval_every}")
     out: List[str] = []
     skip = False
     for tok in extra:
@@ -46,13 +52,57 @@ def timed_args(extra: Sequence[str], steps: int) -> List[str]:
             skip = False
             continue
         flag = tok.split("=", 1)[0]
-        if flag in _DROP_WITH_VALUE:
+        if flag in _DROP_WITH_VALUE or (eval_every is not None and flag == "--eval-every"):
             skip = "=" not in tok
             continue
         if flag in _DROP_ALONE:
             continue
         out.append(tok)
-    return out + ["--steps", str(steps)]
+    out += ["--steps", str(steps)]
+    return out + (["--eval-every", str(eval_every)] if eval_every is not None else [])
+
+
+def apply_budget(run: Dict, budget_s: float) -> Dict:
+    """``run`` cut at a training-time budget (netbench ``--time-budget``), e.g. a projected run.
+
+    Keeps the evaluations whose ``train_time_s`` is at most ``budget_s``; ``final`` becomes
+    the last one kept (its accuracy/loss, time, bytes; ``steps`` its step), the time to
+    target is dropped if it lies beyond the budget, and ``budget_s`` is recorded. A run
+    whose first evaluation is already past the budget keeps no evaluation and a ``final``
+    without scores. Returns a new dict.
+
+    Raises:
+        ValueError: ``budget_s`` is not positive.
+    """
+    if not budget_s > 0:
+        raise ValueError(f"--time-budget must be > 0, got {budget_s}")
+    out = copy.deepcopy(run)
+    kept = [e for e in out.get("evals", []) if e["train_time_s"] <= budget_s]
+    out["evals"] = kept
+    out["epochs"] = [e for e in out.get("epochs", []) if e["train_time_s"] <= budget_s]
+    final = dict(out["final"])
+    if kept:
+        last = kept[-1]
+        for k, v in last.items():
+            if k not in ("epoch", "step", "train_loss"):
+                final[k] = v
+        out["steps"] = last["step"]
+    else:
+        final = {k: v for k, v in final.items() if k in ("eval_time_s", "wall_time_s")}
+        final.update(train_time_s=0.0, bytes_sent_per_rank=0)
+        out["steps"] = 0
+    out["final"] = final
+    old_steps = max(1, int(run.get("steps") or 1))
+    for w in out.get("wire") or []:   # interface counters: pro rata to the steps kept
+        for k in ("tx_bytes", "rx_bytes"):
+            if k in w:
+                w[k] = int(w[k] * out["steps"] / old_steps)
+    ttt = out.get("time_to_target")
+    if ttt is not None and ttt["train_time_s"] > budget_s:
+        out["time_to_target"] = None
+    out["budget_s"] = budget_s
+    out["stopped_at_budget"] = True
+    return out
 
 
 def dense_warmup_steps(run: Dict) -> int:

@@ -97,6 +97,7 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
         any_r = next(iter(by_method.values()))[0]
         tgt = any_r["config"]["target_acc"]
         epochs = any_r["config"]["epochs"]
+        budget = any_r["config"].get("time_budget") or any_r.get("budget_s")
         n_seeds = max(len(runs) for runs in by_method.values())
         parts.append(_rate_title(rate, by_method, measured))
         rows = []
@@ -104,7 +105,8 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
         for m, runs in by_method.items():
             t = _ttt(runs)
             reached = [r["time_to_target"] for r in runs if r.get("time_to_target")]
-            done = all((r["completed_epochs"] == epochs if epochs is not None else r["steps"] == r.get("planned_steps"))
+            done = all(((r["completed_epochs"] == epochs if epochs is not None
+                         else r["steps"] == r.get("planned_steps")) or r.get("stopped_at_budget"))
                        and not r.get("stopped_at_target") for r in runs)
             steps = [max(1, r["steps"]) for r in runs]
             per_seed = ", ".join(f"{r['time_to_target']['train_time_s']:.1f}" if r.get("time_to_target")
@@ -125,8 +127,10 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
                 row.insert(2, per_seed)
             rows.append(row)
         headers = ["method", f"time to {tgt:g} (s)", "epoch reached", "speed-up vs ddp",
-                   f"test acc after {epochs} epochs" if epochs is not None
-                   else f"test acc after {any_r['config']['steps']} steps", "MB/rank/step", "wire MB/rank/step", "wire/payload",
+                   (f"test acc at the {budget:g} s budget" if budget
+                    else f"test acc after {epochs} epochs" if epochs is not None
+                    else f"test acc after {any_r['config']['steps']} steps"),
+                   "MB/rank/step", "wire MB/rank/step", "wire/payload",
                    "ms/step", "method flags"]
         if n_seeds > 1:
             headers[1] = f"median time to {tgt:g} (s)"

@@ -53,7 +53,8 @@ def main():
     p.add_argument("--local-steps", type=int, default=10,
                    help="steps per round between synchronisations (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="per rank (default %(default)s)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD, momentum 0.9 (default %(default)s)")
+    p.add_argument("--lr", type=float, default=0.03,
+                   help="SGD, momentum 0.9; the same at any world size (default %(default)s)")
     p.add_argument("--checkpoint", default=os.path.join("runs", "examples", "ist.pt"),
                    help="where rank 0 saves the trainer state (default %(default)s)")
     args = p.parse_args()

@@ -64,6 +64,58 @@ the loss and any Tanh/GELU/norm layer downstream, are off by up to
 ``world_size ** depth``.
 ``LayerNorm`` in a subnet normalises over the neurons of the block (the subnet
 is a narrower network of its own).
+
+Gradient scaling (one learning rate for every world size)
+---------------------------------------------------------
+The input scaling makes the subnet's forward pass an unbiased estimate of the
+full model's, but not its gradients: a neuron of a hidden layer feeds the next
+layer with ``world_size`` times the full model's weight, so the loss's
+derivative with respect to it (and to every weight or bias that feeds it) is
+``world_size`` times the full model's, and a weight between two hidden layers
+also sees a ``world_size``-times larger input. Per tensor, the subnet's
+gradient is about ``world_size ** k`` times the full model's, where ``k`` is
+the number of the tensor's dimensions that are sliced (1 for the first and
+last Linear's weights, hidden biases and norm parameters, 2 for a weight
+between two hidden layers, 0 for the shared output bias). Summed over the
+subnet's ``1/world_size ** k`` share of each tensor, the tangent kernel of
+the subnet (the change of its outputs per unit of SGD learning rate) is then
+``world_size`` (first/last layer) to ``world_size ** 2`` (hidden-to-hidden)
+times the full model's, so plain SGD on the subnet is stable only at a
+learning rate that shrinks with the world size (measured on the
+Fashion-MNIST MLP: lr 0.05, stable at 1 and 2 ranks, gives NaN at 4 and 8).
+With ``scale_grads=True`` (the :class:`ISTTrainer` default) every sliced
+tensor's gradient is multiplied by ``world_size ** -k``, i.e. by the share of
+the tensor the subnet holds, before the optimizer sees it. Then one SGD step
+of the subnet changes its outputs as much as one SGD step of the full model
+would (per layer, to first order), and after the write-back the full model
+follows data-parallel SGD at the same learning rate in expectation, except
+that the hidden-to-hidden weights between different ranks' blocks are not
+trained in the round. This is the IST theory paper's view of IST as gradient
+steps taken at a sketched point (Shulgin and Richtarik, arXiv 2306.16484:
+permutation sketches ``C = world_size * P`` applied to the model): keeping
+the sketch's scale in the forward pass and dropping it from the update is
+what makes the admissible step size independent of ``world_size``. Adam-type
+optimizers normalise the gradient, so for them the scaling changes nothing
+but the role of ``eps`` (their function step is already independent of the
+world size); it is there for SGD. Without ``rescale`` there is no input
+scale, the subnet's gradients are not inflated, and nothing is scaled.
+With shared neurons (``partition(..., shared=f)``) the scale is per neuron,
+``c = 1`` for a shared neuron and ``world_size`` for a rank's own, and the
+gradient of a weight ``(i, j)`` is multiplied by ``1 / (c_i * c_j)`` (an
+unsliced dimension counts as ``c = 1``): the same rule, entry by entry.
+
+Shared neurons (overlapping subnets)
+------------------------------------
+At 8 ranks a 1/8-wide subnet is the full model under a dropout with keep
+probability 1/8; the Fashion-MNIST MLP then plateaus near 0.80-0.82 test
+accuracy (``bench/results/ist_scaling/``). With ``ISTTrainer(shared=f)``
+a fraction ``f`` of every hidden layer's neurons (re-drawn every round) is in
+every subnet and the rest is partitioned. The weights among shared neurons
+(and their biases and norm parameters) are trained by every rank; at the
+synchronisation they are averaged over the ranks (one extra ``all_reduce``
+of that region, in fp32), the rest is written back as before. A subnet is
+``f + (1 - f) / world_size`` of each hidden layer wide, which costs compute
+and bytes (the all-reduce of the shared region) in exchange for accuracy.
 """
 
 from __future__ import annotations
@@ -87,6 +139,7 @@ from .agreement import agree_across_ranks, gather_across_ranks
 __all__ = [
     "SUPPORTED_MODULES",
     "partition",
+    "shared_counts",
     "extract_subnet",
     "write_back",
     "InputScale",
@@ -131,8 +184,24 @@ def _check_int(value: Any, name: str, minimum: Optional[int] = None) -> int:
     return value
 
 
+def shared_counts(hidden_sizes: Sequence[int], world_size: int, shared: float) -> List[int]:
+    """Shared neurons ``m_l`` per hidden layer for a shared fraction (see :func:`partition`).
+
+    ``m_l = floor(shared * n_l)``, lowered so that every rank keeps at least one
+    neuron of its own (``n_l - m_l >= world_size``); 0 at world size 1.
+
+    Raises:
+        ValueError: ``shared`` outside ``[0, 1)``.
+    """
+    if isinstance(shared, bool) or not isinstance(shared, (int, float)) or not 0.0 <= shared < 1.0:
+        raise ValueError(f"shared must be a fraction in [0, 1), got {shared!r}")
+    if world_size == 1:
+        return [0] * len(hidden_sizes)
+    return [max(0, min(int(shared * n), n - world_size)) for n in hidden_sizes]
+
+
 def partition(
-    hidden_sizes: Sequence[int], world_size: int, seed: int, round: int
+    hidden_sizes: Sequence[int], world_size: int, seed: int, round: int, *, shared: float = 0.0
 ) -> List[List[torch.Tensor]]:
     """Random partition of every hidden layer's neurons into ``world_size`` blocks.
 
@@ -143,24 +212,40 @@ def partition(
     and the permutation is cut into ``world_size`` consecutive chunks. The
     result is a pure function of the arguments, identical on every process.
 
+    Shared neurons (``shared > 0``): the first ``m_l`` neurons of the
+    permutation (:func:`shared_counts`) are in EVERY rank's block, and only
+    the other ``n_l - m_l`` are cut into ``world_size`` chunks; every subnet
+    is then ``m_l + (n_l - m_l) / world_size`` wide instead of
+    ``n_l / world_size``, so that it is less of a heavy dropout of the full
+    model (keep probability ``1/world_size``) as the world size grows (an
+    overlapping partition, as the issue 24 measurements chose; the weights
+    among shared neurons are trained by every rank and averaged).
+
     Args:
         hidden_sizes: widths ``n_l`` of the hidden layers, each an int
             ``>= world_size``.
         world_size: number of blocks (ranks), ``>= 1``.
         seed: shared seed (any Python int; taken modulo ``2**64``).
         round: synchronisation round, ``>= 0``.
+        shared: fraction of every hidden layer shared by all ranks, in
+            ``[0, 1)`` (default 0: a partition).
 
     Returns:
         ``blocks`` with ``blocks[l][r]`` a 1-D int64 CPU tensor: the neurons of
         hidden layer ``l`` given to rank ``r``, sorted ascending (so slices
         read memory in order). For each ``l`` the blocks are disjoint, cover
         ``range(n_l)`` and have sizes ``n_l // world_size`` or one more; which
-        ranks get the larger blocks rotates with ``round``.
+        ranks get the larger blocks rotates with ``round``. With ``shared >
+        0``: ``blocks[l][r]`` = the ``m_l`` shared neurons (sorted, the same
+        for every rank) followed by the rank's own chunk (sorted); the own
+        chunks are disjoint and, with the shared neurons, cover
+        ``range(n_l)``. ``shared = 0`` gives exactly the partition above.
 
     Raises:
         TypeError: an argument is not an int (or ``hidden_sizes`` not a sequence).
-        ValueError: ``world_size < 1``, ``round < 0``, or a width smaller than
-            ``world_size`` (every block would need at least one neuron).
+        ValueError: ``world_size < 1``, ``round < 0``, a width smaller than
+            ``world_size`` (every block would need at least one neuron), or
+            ``shared`` outside ``[0, 1)``.
     """
     _check_int(world_size, "world_size", 1)
     _check_int(seed, "seed")
@@ -176,14 +261,21 @@ def partition(
                 f"hidden_sizes[{l}] = {n} is smaller than world_size = {world_size}: "
                 f"IST needs at least one neuron of every hidden layer per rank"
             )
+    counts = shared_counts(hidden_sizes, world_size, shared)
     blocks: List[List[torch.Tensor]] = []
     for l, n in enumerate(hidden_sizes):
         gen = torch.Generator(device="cpu")
         gen.manual_seed(_layer_seed(seed, round, l))
         perm = torch.randperm(n, generator=gen, dtype=torch.int64)
-        base, extra = divmod(n, world_size)
+        m = counts[l]
+        base, extra = divmod(n - m, world_size)
         sizes = [base + (1 if (r - round) % world_size < extra else 0) for r in range(world_size)]
-        blocks.append([torch.sort(chunk).values for chunk in torch.split(perm, sizes)])
+        if m == 0:
+            blocks.append([torch.sort(chunk).values for chunk in torch.split(perm, sizes)])
+        else:
+            common = torch.sort(perm[:m]).values
+            blocks.append([torch.cat([common, torch.sort(chunk).values])
+                           for chunk in torch.split(perm[m:], sizes)])
     return blocks
 
 
@@ -197,17 +289,28 @@ class InputScale(nn.Module):
     :func:`extract_subnet` puts one in front of every hidden and output Linear
     of a subnet when ``rescale=True`` (``factor = world_size``); see the module
     docstring, "Pre-activation scaling". :func:`write_back` skips them.
+    With shared neurons (:func:`partition`, ``shared > 0``) the factor is
+    per feature: ``scale`` is a ``[in_features]`` tensor (a non-persistent
+    buffer) holding 1 for the shared neurons and ``world_size`` for the
+    rank's own, and ``factor`` is ``None``.
     """
 
-    def __init__(self, factor: float):
+    def __init__(self, factor: "float | torch.Tensor"):
         super().__init__()
-        self.factor = float(factor)
+        if isinstance(factor, torch.Tensor):
+            self.factor = None
+            self.register_buffer("scale", factor.detach().clone(), persistent=False)
+        else:
+            self.factor = float(factor)
+            self.scale = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
+        return x * (self.factor if self.scale is None else self.scale)
 
     def extra_repr(self) -> str:
-        return f"factor={self.factor}"
+        if self.scale is None:
+            return f"factor={self.factor}"
+        return f"per-feature scale [{self.scale.numel()}]"
 
 
 @dataclass(frozen=True)
@@ -356,8 +459,31 @@ def _build_plan(model: nn.Module) -> _Plan:
     return _Plan(linears, hidden_sizes, slices, shared, counters, dtype, device, descriptor)
 
 
-def _check_blocks(plan: _Plan, blocks: Any, rank: Any) -> int:
-    """Validate ``blocks`` against the model and ``rank``; return world_size."""
+def _grad_exponents(plan: _Plan) -> List[int]:
+    """Sliced dimensions ``k`` of every payload tensor (plan.slices, then shared):
+    its subnet gradient is scaled by ``world_size ** -k`` (module docstring,
+    "Gradient scaling")."""
+    return ([(s.row_layer is not None) + (s.col_layer is not None) for s in plan.slices]
+            + [0] * len(plan.shared))
+
+
+def _check_shared(plan: _Plan, shared: Any) -> List[int]:
+    """``shared`` (None or one int per hidden layer) as a list of ints."""
+    if shared is None:
+        return [0] * len(plan.hidden_sizes)
+    if not isinstance(shared, Sequence) or len(shared) != len(plan.hidden_sizes):
+        raise ValueError(f"shared must hold one count per hidden layer ({len(plan.hidden_sizes)}), "
+                         f"got {shared!r}")
+    return [_check_int(m, f"shared[{l}]", 0) for l, m in enumerate(shared)]
+
+
+def _check_blocks(plan: _Plan, blocks: Any, rank: Any, shared: Optional[Sequence[int]] = None) -> int:
+    """Validate ``blocks`` against the model and ``rank``; return world_size.
+
+    With ``shared`` (``m_l`` per hidden layer, see :func:`partition`): every
+    block of layer ``l`` starts with the same ``m_l`` indices, and those with
+    the rest of every block form a partition of the layer's neurons."""
+    counts = _check_shared(plan, shared)
     if not isinstance(blocks, Sequence) or len(blocks) != len(plan.hidden_sizes):
         n = len(blocks) if isinstance(blocks, Sequence) else type(blocks).__name__
         raise ValueError(
@@ -370,18 +496,25 @@ def _check_blocks(plan: _Plan, blocks: Any, rank: Any) -> int:
                 f"blocks[{l}] must be a list of one index tensor per rank "
                 f"(world_size = {world_size} from blocks[0])"
             )
-        total = 0
         for r, b in enumerate(layer):
             if not isinstance(b, torch.Tensor) or b.dtype != torch.int64 or b.dim() != 1:
                 raise ValueError(f"blocks[{l}][{r}] must be a 1-D int64 tensor")
-            total += b.numel()
+        m = counts[l]
+        parts = list(layer)
+        if m:
+            head = layer[0][:m].detach().cpu()
+            if any(b.numel() < m or not torch.equal(b[:m].detach().cpu(), head) for b in layer):
+                raise ValueError(
+                    f"blocks[{l}]: every rank's block must start with the same {m} shared neurons")
+            parts = [layer[0][:m]] + [b[m:] for b in layer]
+        total = sum(b.numel() for b in parts)
         if total != plan.hidden_sizes[l]:
             raise ValueError(
                 f"blocks[{l}] holds {total} indices but hidden layer {l} has "
                 f"{plan.hidden_sizes[l]} neurons"
             )
         n = plan.hidden_sizes[l]
-        every = torch.cat([b.detach().reshape(-1).cpu() for b in layer])
+        every = torch.cat([b.detach().reshape(-1).cpu() for b in parts])
         lo, hi = (int(v) for v in torch.aminmax(every)) if n else (0, -1)
         if lo < 0 or hi >= n or (n and int(torch.bincount(every, minlength=n).max()) != 1):
             bad = f"index {hi if hi >= n else lo} outside [0, {n})" if lo < 0 or hi >= n \
@@ -433,6 +566,7 @@ def extract_subnet(
     rank: int,
     *,
     rescale: bool = True,
+    shared: Optional[Sequence[int]] = None,
 ) -> nn.Sequential:
     """Rank ``rank``'s subnet of ``model`` under the partition ``blocks``.
 
@@ -453,6 +587,12 @@ def extract_subnet(
         rescale: put an :class:`InputScale` (``world_size``) in front of every
             hidden and output Linear (default; nothing is inserted when
             ``world_size == 1``).
+        shared: ``m_l`` per hidden layer when the blocks overlap in shared
+            neurons (``shared_counts``; ``partition(..., shared=f)``): the
+            first ``m_l`` entries of every block; their inputs are scaled by
+            1, the rank's own by ``world_size`` (each own neuron is in the
+            rank's block with probability ``1/world_size``, a shared one
+            always). ``None`` = no shared neurons.
 
     Returns:
         ``nn.Sequential``: the model's modules in order, Linear/norm layers
@@ -469,7 +609,8 @@ def extract_subnet(
         RuntimeError: from the slicing kernels (index out of range).
     """
     plan = _build_plan(model)
-    world_size = _check_blocks(plan, blocks, rank)
+    world_size = _check_blocks(plan, blocks, rank, shared)
+    counts = _check_shared(plan, shared)
     if not isinstance(rescale, bool):
         raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
     rows, cols = _rank_indices(plan, blocks, rank)
@@ -490,7 +631,13 @@ def extract_subnet(
             in_f = m.in_features if layer == 0 else width[layer - 1]
             out_f = m.out_features if layer == n_hidden else width[layer]
             if layer > 0 and rescale and world_size > 1:
-                out.append(InputScale(world_size))
+                m_in = counts[layer - 1]
+                if m_in:
+                    vec = torch.full((in_f,), float(world_size), dtype=plan.dtype, device=plan.device)
+                    vec[:m_in] = 1.0
+                    out.append(InputScale(vec))
+                else:
+                    out.append(InputScale(world_size))
             sub = nn.Linear(in_f, out_f, bias=m.bias is not None, **kw)
             sub.weight = _param(m.weight, sliced[(i, "weight")])
             if m.bias is not None:
@@ -529,6 +676,8 @@ def write_back(
     subnet: nn.Sequential,
     blocks: Sequence[Sequence[torch.Tensor]],
     rank: int,
+    *,
+    shared: Optional[Sequence[int]] = None,
 ) -> None:
     """Write rank ``rank``'s (trained) subnet back into ``model``, in place.
 
@@ -544,7 +693,8 @@ def write_back(
         model: the full model the subnet was extracted from.
         subnet: as returned by :func:`extract_subnet` for the same ``blocks``
             and ``rank`` (with or without :class:`InputScale` modules).
-        blocks, rank: as in :func:`extract_subnet`.
+        blocks, rank, shared: as in :func:`extract_subnet` (shared neurons
+            are written like the rest; :class:`ISTTrainer` averages them).
 
     Raises:
         TypeError / ValueError: as :func:`extract_subnet`, or ``subnet`` whose
@@ -553,7 +703,7 @@ def write_back(
         RuntimeError: from the slicing kernels.
     """
     plan = _build_plan(model)
-    _check_blocks(plan, blocks, rank)
+    _check_blocks(plan, blocks, rank, shared)
     mods = _strip_scales(subnet, model)
     rows, cols = _rank_indices(plan, blocks, rank)
     pairs = []
@@ -600,9 +750,14 @@ class ISTStats:
             ``n_in * n_out / world_size`` for the first and last layer and
             ``n_in * n_out / world_size**2`` between hidden layers (exactly:
             the product of the block sizes).
+            With shared neurons (``ISTTrainer(shared=f)``) it also counts the
+            shared region handed to the extra ``all_reduce`` (fp32, 4 bytes
+            per element) every round.
         bytes_sent, bytes_received: this rank's traffic in the synchronisation
             ``all_gather`` under the ring algorithm: ``(world_size - 1)`` times
-            the padded buffer (the largest rank's payload) per round, each way.
+            the padded buffer (the largest rank's payload) per round, each way;
+            with shared neurons plus the ring ``all_reduce`` of the shared
+            region, ``2 (world_size - 1) / world_size`` times its bytes.
         dense_bytes_sent, dense_bytes_received: what data-parallel training
             with a ring all-reduce of every trainable parameter's gradient
             (``N`` elements) would move per rank over the same ``steps``:
@@ -622,6 +777,21 @@ class ISTStats:
 
 
 _FP_ERROR = -1  # placeholder fingerprint of a rank whose validation failed (sent with its failure flag)
+
+
+class _SubnetGrads:
+    """The subnet's parameter gradients as views of one flat buffer (see
+    :meth:`ISTTrainer._attach_grads`): zeroed in one op per step and scaled
+    entry-wise by ``scale`` (the same layout) in one more."""
+
+    __slots__ = ("flat", "scale", "first", "first_grad")
+
+    def __init__(self, flat: torch.Tensor, scale: torch.Tensor,
+                 first: Optional[nn.Parameter], first_grad: Optional[torch.Tensor]):
+        self.flat = flat            # [payload numel], the gradients' storage
+        self.scale = scale          # [payload numel], 1 / (c_row * c_col) per entry
+        self.first = first          # a parameter whose .grad must still be first_grad
+        self.first_grad = first_grad
 
 
 class ISTTrainer:
@@ -647,6 +817,14 @@ class ISTTrainer:
 
     Weights between neurons of different blocks are not trained in a round.
 
+    Gradients: with ``scale_grads=True`` (default) each sliced tensor's
+    gradient is multiplied by its share of the full tensor (``world_size **
+    -k``, ``k`` sliced dimensions) after backward, so one SGD learning rate
+    serves every world size (module docstring, "Gradient scaling"). The
+    subnet's gradients are then views of one flat buffer, zeroed by
+    :meth:`step` (do not set them to ``None`` in between; if that happens the
+    trainer re-attaches them at the next step).
+
     Optimizer state: the optimizer is re-created at the start of every round,
     as in the paper's implementation. Its state (e.g. momentum) belongs to one
     subnet's neurons, and the next round slices different neurons, so carrying
@@ -655,7 +833,8 @@ class ISTTrainer:
 
     Construction is a collective call on ``process_group``: every rank first
     validates its model locally, then the ranks exchange a 63-bit fingerprint
-    of (architecture, dtype, world size, seed, local_steps, rescale) in one
+    of (architecture, dtype, world size, seed, local_steps, rescale,
+    scale_grads, shared) in one
     ``all_gather`` of ``world_size`` int64, so a rank with a bad or different
     model makes EVERY rank raise instead of hanging in a later collective.
     Then, with ``broadcast_model=True`` (default, as DDP does), the full model
@@ -682,6 +861,16 @@ class ISTTrainer:
         seed: shared partition seed (must be the same on every rank).
         rescale: scale hidden/output Linear inputs by ``world_size`` in the
             subnet (see "Pre-activation scaling" in the module docstring).
+        scale_grads: with ``rescale``, multiply each sliced tensor's gradient
+            by ``world_size ** -k`` (``k`` = its sliced dimensions) so that the
+            stable SGD learning rate does not depend on the world size (see
+            "Gradient scaling" in the module docstring; ``False`` = the
+            original IST update, whose stable learning rate shrinks with the
+            world size). No effect without ``rescale`` or at world size 1.
+        shared: fraction of every hidden layer's neurons in every rank's
+            subnet (:func:`partition`; 0 = disjoint subnets, the original
+            IST); their weights are averaged over the ranks at every
+            synchronisation (module docstring, "Shared neurons").
         broadcast_model: broadcast rank 0's model at construction.
         timeout: seconds any one collective of the trainer may wait (default
             300; ``None`` = the process group's own timeout, 30 minutes on
@@ -718,6 +907,8 @@ class ISTTrainer:
         seed: int = 0,
         *,
         rescale: bool = True,
+        scale_grads: bool = True,
+        shared: float = 0.0,
         broadcast_model: bool = True,
         timeout: Optional[float] = 300.0,
     ):
@@ -743,14 +934,17 @@ class ISTTrainer:
             self._timeout = _comm.check_timeout(timeout, "ISTTrainer")
             if not isinstance(rescale, bool):
                 raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
+            if not isinstance(scale_grads, bool):
+                raise TypeError(f"scale_grads must be a bool, got {type(scale_grads).__name__}")
             if not isinstance(broadcast_model, bool):
                 raise TypeError(
                     f"broadcast_model must be a bool, got {type(broadcast_model).__name__}"
                 )
             plan = _build_plan(model)
-            partition(plan.hidden_sizes, self._world_size, seed, 0)
+            partition(plan.hidden_sizes, self._world_size, seed, 0, shared=shared)
             text = (f"{plan.descriptor}|world_size={self._world_size}|seed={seed}"
-                    f"|local_steps={local_steps}|rescale={rescale}|broadcast={broadcast_model}")
+                    f"|local_steps={local_steps}|rescale={rescale}|broadcast={broadcast_model}"
+                    f"|scale_grads={scale_grads}|shared={float(shared)!r}")
             digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
             fingerprint = int.from_bytes(digest, "little") >> 1   # 63 bits, >= 0
         except Exception as exc:  # noqa: BLE001 - must reach the exchange below, never hang
@@ -766,6 +960,17 @@ class ISTTrainer:
         self.local_steps = local_steps
         self.seed = seed
         self.rescale = rescale
+        self.scale_grads = scale_grads
+        self.shared = float(shared)
+        self._counts = shared_counts(plan.hidden_sizes, self._world_size, self.shared)
+        self._shared_slices = [
+            t for t, sl in enumerate(plan.slices)
+            if (sl.row_layer is None or self._counts[sl.row_layer])
+            and (sl.col_layer is None or self._counts[sl.col_layer])
+            and any(self._counts)]
+        self._shared_local = self._local_shared_indices()
+        self._shared_idx: List[Optional[torch.Tensor]] = [None] * len(plan.hidden_sizes)
+        self._shared_numel_cache = self._shared_region_numel()
         self._itemsize = torch.empty((), dtype=plan.dtype).element_size()
         self._dense_numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._rounds = 0
@@ -778,6 +983,8 @@ class ISTTrainer:
         self._check_bytes = 0
         self._failed: Optional[str] = None
         self._joined = False
+        self._grad_cache: Dict[int, Tuple[nn.Sequential, "_SubnetGrads", List[Any]]] = {}
+        self._grads: Optional[_SubnetGrads] = None
         self._broadcast = self._distributed and broadcast_model and self._world_size > 1
         if self._broadcast:
             self._broadcast_model()
@@ -806,7 +1013,7 @@ class ISTTrainer:
                 groups.setdefault(v, []).append(r)
             if disagree is None:
                 disagree = ("the ranks disagree on the model architecture, dtype or IST "
-                            "settings (seed, local_steps, rescale, broadcast_model)")
+                            "settings (seed, local_steps, rescale, scale_grads, broadcast_model)")
                 hint = "Build the same model with the same arguments on every rank."
             else:
                 hint = "Load the checkpoint of the same synchronisation round on every rank."
@@ -844,13 +1051,15 @@ class ISTTrainer:
         host) only run when a subnet is built.
         """
         plan = self._plan
-        self._blocks = partition(plan.hidden_sizes, self._world_size, self.seed, self._round)
+        self._blocks = partition(plan.hidden_sizes, self._world_size, self.seed, self._round,
+                                 shared=self.shared)
         self._rows, self._cols = self._upload_indices(self._blocks)
         full = [getattr(self.model[s.module], s.name) for s in plan.slices]
         self._slice_numel = [ops.slices_numel(full, self._rows[r], self._cols[r])
                              for r in range(self._world_size)]
         self._shared_numel = sum(getattr(self.model[i], a).numel() for i, a in plan.shared)
         self._subnet = self._fill_subnet(full)
+        self._grads = self._attach_grads(self._subnet)
         optimizer = self._factory(self._subnet.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -877,6 +1086,20 @@ class ISTTrainer:
         if flat.device != plan.device:
             flat = flat.to(plan.device, non_blocking=True)
         views = flat.split([b.numel() for b in order])
+        if any(self._counts):
+            # One more split of the same buffer cuts the shared prefix off rank 0's blocks:
+            # the shared neurons' global indices, with no per-layer op.
+            sizes: List[int] = []
+            at: Dict[int, int] = {}
+            for j, b in enumerate(order):
+                m = self._counts[j] if j < n_layers else 0
+                if m:
+                    at[j] = len(sizes)
+                    sizes += [m, b.numel() - m]
+                else:
+                    sizes.append(b.numel())
+            cut = flat.split(sizes)
+            self._shared_idx = [cut[at[l]] if l in at else None for l in range(n_layers)]
         rows: List[List[Optional[torch.Tensor]]] = []
         cols: List[List[Optional[torch.Tensor]]] = []
         for r in range(w):
@@ -921,7 +1144,8 @@ class ISTTrainer:
                 if [getattr(m, a).data_ptr() for m, a in attrs] != ptrs:
                     entry = None  # someone re-pointed a tensor: rebuild
             if entry is None:
-                subnet = extract_subnet(self.model, self._blocks, rank, rescale=self.rescale)
+                subnet = extract_subnet(self.model, self._blocks, rank, rescale=self.rescale,
+                                        shared=self._counts)
                 flat = packed
                 pos = 0
                 for m, a in self._subnet_tensors(subnet):
@@ -947,6 +1171,110 @@ class ISTTrainer:
         self._subnet_flat = flat
         self._subnet_ptrs = ptrs
         return subnet
+
+    def _local_shared_indices(self) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """(rows, cols) of the shared region inside the subnet's tensor, per shared slice:
+        the leading ``m`` rows/columns of a sliced dimension (blocks start with the shared
+        neurons), all of an unsliced one. Constant over rounds; built once."""
+        plan = self._plan
+        out = []
+        for t in self._shared_slices:
+            sl = plan.slices[t]
+            r = None if sl.row_layer is None else torch.arange(
+                self._counts[sl.row_layer], device=plan.device)
+            c = None if sl.col_layer is None else torch.arange(
+                self._counts[sl.col_layer], device=plan.device)
+            out.append((r, c))
+        return out
+
+    def _shared_region_numel(self) -> int:
+        """Elements of the shared region all-reduced per round (0 without shared neurons)."""
+        plan = self._plan
+        n = 0
+        for t in self._shared_slices:
+            full = getattr(self.model[plan.slices[t].module], plan.slices[t].name)
+            r, c = self._shared_local[self._shared_slices.index(t)]
+            rows = full.shape[0] if r is None else r.numel()
+            n += rows if full.dim() == 1 else rows * (full.shape[1] if c is None else c.numel())
+        return n
+
+    def _average_shared(self, attrs: List[Tuple[nn.Module, str]]) -> None:
+        """Overwrite the shared region of the full model with its mean over the ranks.
+
+        Gather the region out of this rank's trained subnet (one
+        ``gather_slices_multi``), sum it over the ranks (one ``all_reduce``, in
+        fp32), divide by the world size and scatter it to the shared neurons'
+        global indices (one ``scatter_slices_multi``): a constant number of ops
+        whatever the depth. Every rank ends with the same values."""
+        plan = self._plan
+        w = self._world_size
+        sub = [getattr(*attrs[t]) for t in self._shared_slices]
+        local_r = [r for r, _ in self._shared_local]
+        local_c = [c for _, c in self._shared_local]
+        part = ops.gather_slices_multi(sub, local_r, local_c).float()   # under no_grad
+        dist.all_reduce(part, group=self._pg)
+        part = part.div_(w).to(plan.dtype)
+        full = [getattr(self.model[plan.slices[t].module], plan.slices[t].name)
+                for t in self._shared_slices]
+        idx = self._shared_idx
+        rows = [None if plan.slices[t].row_layer is None else idx[plan.slices[t].row_layer]
+                for t in self._shared_slices]
+        cols = [None if plan.slices[t].col_layer is None else idx[plan.slices[t].col_layer]
+                for t in self._shared_slices]
+        ops.scatter_slices_multi(full, rows, cols, part)
+
+    def _attach_grads(self, subnet: nn.Sequential) -> Optional[_SubnetGrads]:
+        """With gradient scaling: give the subnet's parameters gradients that are
+        views of one flat buffer, grouped by their factor ``world_size ** -k``.
+
+        Built once per cached subnet (slices and views are dispatched ops);
+        for a cached one the views are re-attached (Python attribute sets, no
+        dispatched op) and the buffer zeroed (one op). ``None`` when nothing
+        is scaled (no ``rescale``, ``scale_grads=False`` or world size 1).
+        """
+        w = self._world_size
+        if not (self.rescale and self.scale_grads and w > 1):
+            return None
+        entry = self._grad_cache.get(id(subnet))
+        if entry is not None and entry[0] is subnet:
+            grads, pairs = entry[1], entry[2]
+            grads.flat.zero_()
+        else:
+            plan = self._plan
+            tensors = [getattr(m, a) for m, a in self._subnet_tensors(subnet)]
+            dims = ([(s.row_layer, s.col_layer) for s in plan.slices]
+                    + [(None, None)] * len(plan.shared))
+            total = sum(t.numel() for t in tensors)
+            flat = torch.zeros(total, dtype=plan.dtype, device=plan.device)
+            scale = torch.ones(total, dtype=plan.dtype, device=plan.device)
+
+            def factors(layer: Optional[int], size: int) -> torch.Tensor:
+                # 1 / c per neuron: c = 1 for an unsliced dimension or a shared neuron,
+                # world_size for the rank's own neurons (module docstring, "Gradient scaling").
+                f = torch.ones(size, dtype=torch.float64)
+                if layer is not None:
+                    f[self._counts[layer]:] = 1.0 / w
+                return f
+
+            pairs = []
+            pos = 0
+            for t, (rl, cl) in zip(tensors, dims):
+                n = t.numel()
+                if isinstance(t, nn.Parameter) and t.requires_grad:
+                    pairs.append((t, flat[pos:pos + n].view(t.shape)))
+                    f = factors(rl, t.shape[0])
+                    if t.dim() == 2:
+                        f = f[:, None] * factors(cl, t.shape[1])[None, :]
+                    scale[pos:pos + n] = f.reshape(-1).to(plan.dtype)
+                pos += n
+            first = pairs[0] if pairs else (None, None)
+            grads = _SubnetGrads(flat, scale, first[0], first[1])
+            live = {id(e[0]) for e in self._subnet_cache.values()}
+            self._grad_cache = {k: v for k, v in self._grad_cache.items() if k in live}
+            self._grad_cache[id(subnet)] = (subnet, grads, pairs)
+        for p, view in pairs:
+            p.grad = view
+        return grads
 
     def _counter_pairs(self, subnet: nn.Sequential) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(subnet, model) ``num_batches_tracked`` tensors of the BatchNorm layers."""
@@ -1052,11 +1380,20 @@ class ISTTrainer:
         if self._reread:
             self._reread_model()
         self._subnet.train(self.model.training)
-        self._optimizer.zero_grad(set_to_none=True)
+        grads = self._grads
+        if grads is None:
+            self._optimizer.zero_grad(set_to_none=True)
+        else:
+            if grads.first is not None and grads.first.grad is not grads.first_grad:
+                self._grads = grads = self._attach_grads(self._subnet)  # views were dropped
+            grads.flat.zero_()
         loss = loss_fn(self._subnet(inputs), targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss_fn must return a scalar tensor")
         loss.backward()
+        if grads is not None:
+            with torch.no_grad():
+                grads.flat.mul_(grads.scale)   # one op: every gradient times its share
         self._optimizer.step()
         self._steps += 1
         self._local_step += 1
@@ -1224,12 +1561,18 @@ class ISTTrainer:
                 acc = (acc / w).to(plan.dtype)
                 parts = acc.split([t.numel() for t in shared_full])
                 torch._foreach_copy_([t.view(-1) for t in shared_full], list(parts))
+            if self._shared_slices and w > 1:
+                self._average_shared(attrs)
             counters = self._counter_pairs(self._subnet)
             if counters:
                 torch._foreach_copy_([f for _, f in counters], [s for s, _ in counters])
         self._rounds += 1
         self._payload_bytes += mine * self._itemsize
         self._wire_bytes += (w - 1) * width * self._itemsize
+        if self._shared_slices and w > 1:   # ring all-reduce of the fp32 shared region
+            n = self._shared_numel_cache
+            self._payload_bytes += n * 4
+            self._wire_bytes += 2 * (w - 1) * n * 4 // w
         self._local_step = 0
         self._round += 1
         self._begin_round()
@@ -1254,6 +1597,8 @@ class ISTTrainer:
             "seed": self.seed,
             "local_steps": self.local_steps,
             "rescale": self.rescale,
+            "scale_grads": self.scale_grads,
+            "shared": self.shared,
             "round": self._round,
             "local_step": self._local_step,
             "model": self.model.state_dict(),
@@ -1344,6 +1689,10 @@ class ISTTrainer:
                 f"state_dict['world_size'] = {state['world_size']} differs from "
                 f"{self._world_size}; a mid-round state can only be loaded on the same world size"
             )
+        if mid and float(state.get("shared", 0.0)) != self.shared:
+            raise ValueError(
+                f"state_dict['shared'] = {state.get('shared', 0.0)} differs from {self.shared}; a "
+                f"mid-round state needs the same shared fraction (its subnet has that width)")
         if mid and state["local_steps"] != self.local_steps:
             raise ValueError(
                 f"state_dict['local_steps'] = {state['local_steps']} differs from "

@@ -274,7 +274,7 @@ def _exit_without_writing(rank, args, init_method):
 
 
 @pytest.mark.parametrize("method,lr,momentum", [
-    ("ddp", 0.05, 0.9), ("powersgd", 0.05, 0.9), ("ist", 0.05, 0.9), ("topk", 0.4, 0.0), ("slimdp", 0.6, 0.0),
+    ("ddp", 0.05, 0.9), ("powersgd", 0.05, 0.9), ("ist", 0.03, 0.9), ("topk", 0.4, 0.0), ("slimdp", 0.6, 0.0),
 ])
 def test_method_defaults(method, lr, momentum):
     args = T.apply_method_defaults(T.build_parser().parse_args(["--method", method]))

@@ -34,7 +34,9 @@ Methods (``--method``; ``--compare`` takes a comma-separated list):
               identical on every rank, values in one dense all-reduce.
 ``ist``       :class:`slimcomm.ist.ISTTrainer`: independent subnet training
               (Yuan et al., arXiv 1910.02120): each rank trains its own subnet
-              for ``--local-steps`` steps, then one collective re-assembles the model.
+              for ``--local-steps`` steps, then one collective re-assembles the model;
+              gradients scaled so one lr serves every world size (``--no-scale-grads``:
+              the original update), ``--ist-shared F`` for overlapping subnets.
 ========== ===================================================================
 
 Bytes sent per rank

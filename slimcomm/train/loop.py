@@ -62,7 +62,7 @@ def _config_fingerprint(args, extra) -> int:
             "min_lr", "grad_clip", "seed", "powersgd_rank", "powersgd_start_iter", "core_ratio", "explore_ratio",
             "core_refresh", "warmup_steps", "value_dtype", "local_steps", "eval_every", "device", "tokens",
             "n_layer", "n_embd", "n_head", "block_size", "dropout", "val_batches", "sync_every", "outer_lr",
-            "outer_momentum", "value_bits", "error_decay")
+            "outer_momentum", "value_bits", "error_decay", "no_scale_grads", "time_budget", "ist_shared")
     s = json.dumps([[k, getattr(args, k)] for k in keys] + [extra], default=str)
     return int.from_bytes(hashlib.sha256(s.encode()).digest()[:6], "little")
 
@@ -172,6 +172,19 @@ def _train(rank, world_size, args, device, backend):
             time_to_target.update(position)
         return rec
 
+    budget = {"hit": False}
+
+    def budget_spent():
+        """--time-budget: has the slowest rank's training time reached it? Collective (one
+        all-reduce of a scalar at an evaluation point, outside the training clock)."""
+        if args.time_budget is None:
+            return False
+        t = torch.tensor([train_time], dtype=torch.float64, device=device)
+        if world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        budget["hit"] = budget["hit"] or float(t) >= args.time_budget
+        return budget["hit"]
+
     def postfix(loss_avg, rec=None):
         post = {"loss": f"{loss_avg:.4f}"}
         if rec is not None:
@@ -214,6 +227,9 @@ def _train(rank, world_size, args, device, backend):
                 if args.stop_at_target and time_to_target is not None:
                     stop = True
                     break
+                if budget_spent():
+                    stop = True
+                    break
         rec = do_eval(task.progress(epoch, n_steps)) if not stop else evals[-1]
         if epoch is not None:
             ep = dict(rec)
@@ -223,7 +239,7 @@ def _train(rank, world_size, args, device, backend):
         if bar is not None:
             bar.set_postfix(postfix(loss_sum / max(1, n_loss), rec))
             bar.close()
-        if stop or (args.stop_at_target and time_to_target is not None):
+        if stop or (args.stop_at_target and time_to_target is not None) or budget_spent():
             break
 
     probe = None
@@ -255,6 +271,7 @@ def _train(rank, world_size, args, device, backend):
         "planned_steps": task.total_steps,
         "steps": method.steps,
         "completed_epochs": len(epochs),
+        "stopped_at_budget": budget["hit"],
         "stopped_at_target": bool(args.stop_at_target and time_to_target is not None
                                   and method.steps < task.total_steps),
         "bytes_definition": BYTES_DEFINITION,

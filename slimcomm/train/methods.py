@@ -153,6 +153,8 @@ class _Method:
                 lambda params: _make_optimizer(params, args, lr=args.lr * factor(self.steps)),
                 local_steps=args.local_steps,
                 seed=args.seed,
+                scale_grads=not args.no_scale_grads,
+                shared=args.ist_shared,
             )
             return
         if self.sync_optimizer:
