@@ -22,7 +22,7 @@ Example (bench/results/ist_scaling/shared_sim.md)::
 import argparse, json, math, os, sys, time
 import torch, torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from slimcomm.workloads import data as D, models as M
+from slimcomm.train.workloads import data as D, models as M
 p = argparse.ArgumentParser()
 p.add_argument('--W', type=int, default=8); p.add_argument('--lr', type=float, default=0.05)
 p.add_argument('--rho', type=float, default=0.0); p.add_argument('--H', type=int, default=10)

@@ -319,7 +319,16 @@ def _write_json_atomic(obj: Any, out: str) -> None:
 
 
 def _spawn_entry(rank, args, init_method):
+    """One spawned rank. After a normal return (results written, process group destroyed)
+    the process ends with ``os._exit(0)`` once its output is flushed: under load, a gloo
+    rank was seen to abort in interpreter teardown ("terminate called without an active
+    exception", SIGABRT) after all its work was done, failing a finished run. An error
+    still propagates and exits non-zero as before."""
     _worker(rank, args, init_method)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _check_corpus(args: argparse.Namespace) -> None:
