@@ -132,9 +132,9 @@ from torch import nn
 
 import contextlib
 
-from . import _comm, ops
-from ._comm import CollectiveError
-from .agreement import agree_across_ranks, gather_across_ranks
+from .. import _comm, ops
+from .._comm import CollectiveError
+from ..agreement import agree_across_ranks, gather_across_ranks
 
 __all__ = [
     "SUPPORTED_MODULES",
