@@ -339,7 +339,7 @@ def _shared_sync_ops(rank, world_size, hidden_layers):
                              local_steps=2, seed=1, shared=0.5)
     counter = OpCounter()
     part = {"ops": 0}
-    real_partition = ist.partition
+    real_partition = ist.rounds.partition  # looked up in slimcomm.ist.rounds
 
     def counted_partition(*args, **kwargs):
         before = counter.total
@@ -358,14 +358,14 @@ def _shared_sync_ops(rank, world_size, hidden_layers):
         rows.append((counter.total - part["ops"], counter.host_syncs, dict(counter.ops)))
 
     trainer.synchronize = counted_sync
-    ist.partition = counted_partition
+    ist.rounds.partition = counted_partition
     try:
         g = torch.Generator().manual_seed(rank)
         for _ in range(8):
             trainer.step(torch.randn(4, 5, generator=g), torch.randint(0, 3, (4,), generator=g),
                          F.cross_entropy)
     finally:
-        ist.partition = real_partition
+        ist.rounds.partition = real_partition
     return rows
 
 

@@ -201,7 +201,8 @@ def test_every_subpackage_and_py_typed_are_packaged(tmp_path):
     assert (out / "slimcomm" / "py.typed").is_file()
     assert (out / "slimcomm" / "_probe_subpkg" / "__init__.py").is_file()
     packaged = {p.name for p in (out / "slimcomm").glob("*.py")}
-    assert {"__init__.py", "_version.py", "ops.py", "hooks.py", "ist.py", "info.py"} <= packaged
+    assert {"__init__.py", "_version.py", "ops.py", "hooks.py", "info.py"} <= packaged
+    assert (out / "slimcomm" / "ist" / "trainer.py").is_file()  # a subpackage of the library
     assert (out / "slimcomm" / "train" / "__main__.py").is_file()  # the command, apart from the library
     assert (out / "slimcomm" / "train" / "workloads" / "models.py").is_file()
 
