@@ -208,27 +208,32 @@ def test_every_subpackage_and_py_typed_are_packaged(tmp_path):
 
 
 def test_library_never_imports_the_training_command():
-    """The library (every module in slimcomm/ outside slimcomm/train/) imports nothing from slimcomm.train."""
+    """The library (every module under slimcomm/ outside slimcomm/train/, subpackages
+    included) imports nothing from slimcomm.train; relative imports are resolved."""
     import ast
 
     pkg = os.path.join(REPO, "slimcomm")
-    bad = []
-    for name in sorted(os.listdir(pkg)):
-        if not name.endswith(".py"):
+    bad, seen = [], 0
+    for root, dirs, files in os.walk(pkg):
+        rel = os.path.relpath(root, REPO).split(os.sep)        # e.g. ["slimcomm", "ist"]
+        if rel[:2] == ["slimcomm", "train"] or "__pycache__" in rel:
             continue
-        with open(os.path.join(pkg, name)) as f:
-            tree = ast.parse(f.read())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                mods = [("." * node.level) + (node.module or "")]
-                if node.level == 1 and node.module is None:
-                    mods += ["." + a.name for a in node.names]
-            elif isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            else:
-                continue
-            if any(m in (".train", "slimcomm.train") or m.startswith((".train.", "slimcomm.train.")) for m in mods):
-                bad.append(f"{name}:{node.lineno}")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            seen += 1
+            with open(os.path.join(root, name)) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    base = rel[:len(rel) - node.level + 1] if node.level else []
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                    mods = [mod] + ([f"{mod}.{a.name}" for a in node.names] if node.level else [])
+                elif isinstance(node, ast.Import):
+                    mods = [a.name for a in node.names]
+                else:
+                    continue
+                if any(m == "slimcomm.train" or m.startswith("slimcomm.train.") for m in mods):
+                    bad.append(f"{os.path.join(*rel, name)}:{node.lineno}")
+    assert seen > 20, seen   # the walk reached the subpackages
     assert not bad, bad
 
 
