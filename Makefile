@@ -87,7 +87,7 @@ dataset:
 	fi
 
 test: setup dataset
-	@echo "== running the test suite: pytest $(TESTS) (about 20 minutes for the whole suite on 2 cores)"
+	@echo "== running the test suite: pytest $(TESTS) (about 11 minutes for the whole suite on 2 idle cores)"
 	$(PY) -m pytest -q $(TESTS)
 
 # The demo's settings: 360 steps (1.5 epochs of 234), an evaluation every 30 steps on the first 2000
