@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveError", "all_reduce", "all_gather", "broadcast", "wait",
+__all__ = ["CollectiveError", "all_reduce", "all_gather", "all_to_all", "broadcast", "wait",
            "agree_counters", "gather_rows", "check_timeout"]
 
 #: "no opinion" in :func:`agree_counters`; counters must lie strictly inside (-_NONE, _NONE)
@@ -86,6 +86,19 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None,
     opts.timeout = _td(timeout)
     opts.asyncOp = True
     return _group(group).all_gather_single(output, input, opts)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None,
+               timeout: Optional[float] = None):
+    """Start an all-to-all of equal splits: ``input`` (``[world_size * n]``, block ``j``
+    for group rank ``j``) into ``output`` (``[world_size * n]``, block ``j`` from group
+    rank ``j``); returns the ``Work``."""
+    if timeout is None:
+        return dist.all_to_all_single(output, input, group=group, async_op=True)
+    opts = dist.AllToAllOptions()
+    opts.timeout = _td(timeout)
+    opts.asyncOp = True
+    return _group(group).alltoall_base(output, input, [], [], opts)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, timeout: Optional[float] = None):

@@ -125,9 +125,11 @@ def _train_until_failure(rank, steps, step_fn, model, before_sync):
 
 def _optim_victim(rank, world_size, compression, bits, how, timeout):
     m = _mlp()
+    compression, _, collective = compression.partition("-")  # "dense-all_gather"
     opt = SlimDPOptimizer(m, torch.optim.AdamW(m.parameters(), lr=1e-2), sync_every=2,
                           compression=compression, value_bits=bits, core_ratio=0.1,
-                          explore_ratio=0.1, timeout=timeout)
+                          explore_ratio=0.1, timeout=timeout,
+                          lowbit_collective=collective or "all_reduce")
     dying = world_size - 1
     if rank == dying and how == "exit_mid_sync":
         # die after the per-sync agreement, inside the value collectives of sync 3
@@ -176,7 +178,8 @@ def _check_survivors(outs, dying, bound):
         assert "cannot be used after a failed" in (res.get("reuse") or ""), res
 
 
-MODES = [("shared", None), ("local", None), ("dense", None), ("shared", 2), ("dense", 2)]
+MODES = [("shared", None), ("local", None), ("dense", None), ("shared", 2), ("dense", 2),
+         ("dense-all_gather", 2)]
 
 
 @pytest.mark.parametrize("compression,bits", MODES)

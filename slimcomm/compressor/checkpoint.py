@@ -81,9 +81,12 @@ class _CheckpointMixin:
             ``stats``, ``owner`` (whose state this is: ``rank`` and
             ``world_size`` in the process group, ``None`` when no process
             group was initialised, and ``kind``, the class name; a load on
-            another rank, world size or kind is refused), and ``params``:
-            ``{position: {"name", "numel",
-            "residual" (fp32 [numel] or None), "G" (fp32 [numel]), "core"
+            another rank, world size or kind is refused),
+            ``server_residuals`` (``lowbit_collective="all_reduce"``: per group
+            ``{"positions", "residual"}``, this rank's shard of the owner-side
+            residual), and ``params``: ``{position: {"name", "numel",
+            "residual" (fp32 [numel] or None), "G" (fp32 [numel], or None for a
+            parameter in a group of dense parameters, which selects nothing), "core"
             (int64 parameter-local indices, or None)}}``. Tensors are clones
             on the state's device. No process group, no model.
         """
@@ -100,11 +103,16 @@ class _CheckpointMixin:
                 "name": self._names[pos],
                 "numel": hi - lo,
                 "residual": None if layout.residual is None else layout.residual[lo:hi].clone(),
-                "G": layout.G[lo:hi].clone(),
+                "G": None if layout.G is None else layout.G[lo:hi].clone(),
                 "core": core,
             }
         for pos, d in self._loaded.items():
             params[pos] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d.items()}
+        # the owners' residuals of lowbit_collective="all_reduce": one shard per group
+        server = {key: t.clone() for key, t in self._server_loaded.items()}
+        for key, layout in self._layouts.items():
+            if layout.server is not None:
+                server[key] = layout.server.clone()
         return {
             "version": _STATE_VERSION,
             "owner": self._owner(),
@@ -119,6 +127,7 @@ class _CheckpointMixin:
             "error_decay": self.error_decay,
             "stats": self.stats,
             "params": params,
+            "server_residuals": [{"positions": list(k), "residual": t} for k, t in server.items()],
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -187,7 +196,7 @@ class _CheckpointMixin:
                 raise ValueError(f"state_dict: negative parameter position {pos}")
             if not isinstance(d, dict):
                 raise ValueError(f"state_dict: parameter {pos} entry is not a dict")
-            for field in ("name", "numel", "G"):
+            for field in ("name", "numel"):
                 if field not in d:
                     raise ValueError(f"state_dict: parameter {pos} lacks {field!r}")
             _check_entry(pos, d)
@@ -206,7 +215,16 @@ class _CheckpointMixin:
         self._slots.clear()
         self._undo = []
         self._void_flags = {}
+        server = {}
+        for e in state_dict.get("server_residuals", []):
+            if not isinstance(e, dict) or not torch.is_tensor(e.get("residual")) or \
+                    e["residual"].dtype != torch.float32 or \
+                    not all(_is_int(i) for i in e.get("positions", [None])):
+                raise ValueError("state_dict: each 'server_residuals' entry must be a dict "
+                                 "with 'positions' (ints) and an fp32 'residual'")
+            server[tuple(e["positions"])] = e["residual"].reshape(-1)
         self._loaded = loaded
+        self._server_loaded = server
         self._owner_pending = dict(owner)
         self.step = step
         st = state_dict.get("stats")
@@ -248,7 +266,7 @@ def _check_entry(pos: int, d: Dict[str, Any]) -> None:
         raise ValueError(f"{what}: numel must be an int >= 0, got {numel!r}")
     for field in ("G", "residual"):
         t = d.get(field)
-        if t is None and field == "residual":
+        if t is None:
             continue
         if not torch.is_tensor(t) or not t.is_floating_point() or t.numel() != numel:
             raise ValueError(f"{what}: {field} must be a floating-point tensor of numel={numel} "

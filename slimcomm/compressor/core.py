@@ -14,7 +14,7 @@ from .hyperparameters import _HyperparametersMixin
 from .layout import _Layout, _LayoutsMixin
 from .selection import _SelectionMixin
 from .stats import _StatsMixin, _new_counts, _new_stats
-from .transports import _dense, _local, _quantised, _shared
+from .transports import _dense, _local, _quantised, _reduce_scatter_codes, _shared
 
 __all__ = ["SlimDPCompressor"]
 
@@ -40,7 +40,14 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
     dtype: ``None`` = the buffer's, or fp32/fp16/bf16), ``seed`` (64-bit int,
     equal on all ranks), ``check_agreement_every`` (int >= 0, default 100:
     every n-th compressed step checks the index sets across ranks with one
-    all-reduce of 8 int64 per group; 0 = never).
+    all-reduce of 8 int64 per group; 0 = never), ``value_bits`` (``None`` or
+    1/2/4/8: per-chunk scaled codes of :mod:`slimcomm.codec`), ``quant_chunk``
+    (values per code chunk), ``lowbit_collective`` (how codes of a group of
+    dense parameters travel: ``"all_gather"``, every rank's codes to every
+    rank, bytes per rank growing with the world size; or ``"all_reduce"``,
+    the two-stage all-reduce of :mod:`.transports.reduce_scatter`, ``2 (W-1)/W``
+    x one rank's code size per rank at any world size, with an owner-side
+    residual; sparse groups always all-gather).
 
     Hyperparameters are fixed at construction: assigning one raises
     ``AttributeError`` (the cached layouts and every rank's index sets depend
@@ -80,6 +87,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         "_hp_check_agreement_every",
         "_hp_value_bits",
         "_hp_quant_chunk",
+        "_hp_lowbit_collective",
         # internal state
         "step",
         "_positions",   # id(param) -> position in model.parameters()
@@ -99,6 +107,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         "_dev_counts",     # device -> int64 [2]: non-finite parameter-steps, voided steps
         "_void_flags",     # step -> bool 0-d device tensor: some parameter was non-finite
         "_timeout",        # seconds each collective may wait (None: the process group's)
+        "_server_loaded",  # positions -> owner-side residual from load_state_dict, not yet placed
     ]
 
     # Adapter policies (see SlimDPState): a parameter whose values are exactly zero on
@@ -124,11 +133,12 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         check_agreement_every: int = 100,
         value_bits: Optional[int] = None,
         quant_chunk: int = 4096,
+        lowbit_collective: str = "all_gather",
     ):
         self._check_hyperparameters(process_group, core_ratio, explore_ratio, core_refresh,
                                     warmup_steps, score, index_mode, error_feedback,
                                     error_decay, value_dtype, seed, check_agreement_every,
-                                    value_bits, quant_chunk)
+                                    value_bits, quant_chunk, lowbit_collective)
         self._hp_process_group = process_group
         self._hp_core_ratio = float(core_ratio)
         self._hp_explore_ratio = float(explore_ratio)
@@ -143,6 +153,8 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         self._hp_check_agreement_every = check_agreement_every
         self._hp_value_bits = value_bits
         self._hp_quant_chunk = quant_chunk
+        self._hp_lowbit_collective = lowbit_collective
+        self._server_loaded: Dict[Tuple[int, ...], torch.Tensor] = {}
         self.step = 0
         self._positions: Dict[int, int] = {}
         self._names: List[str] = []
@@ -211,7 +223,8 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
 
     def synchronize(self, layout: _Layout, buf: torch.Tensor,
                     weight: Optional[torch.Tensor] = None,
-                    warmup_dtype: Optional[torch.dtype] = None) -> torch.futures.Future:
+                    warmup_dtype: Optional[torch.dtype] = None,
+                    deferred: bool = False) -> torch.futures.Future:
         """Start averaging one group's flat buffer over the ranks, Slim-DP style.
 
         Args:
@@ -224,6 +237,9 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
                 tensors (only when the score needs them).
             warmup_dtype: wire dtype of the dense warm-up steps (default
                 ``buf``'s dtype: bit-identical to a plain averaged all-reduce).
+            deferred: only for the two-stage low-bit all-reduce: the future then
+                holds ``decode(out)`` instead of ``buf`` (``buf`` is free again
+                when this call returns); other transports ignore it.
 
         Returns:
             a future of ``buf`` holding, when it completes: the dense average
@@ -242,6 +258,8 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
             return _dense(self, layout, buf, world_size, warmup_dtype or buf.dtype)
         with ops.trusted_indices():  # our own index sets: no host sync for CUDA value checks
             if self.value_bits is not None:
+                if self.lowbit_collective == "all_reduce" and layout.all_dense:
+                    return _reduce_scatter_codes(self, layout, buf, world_size, step, deferred)
                 return _quantised(self, layout, buf, world_size, step, weight)
             if layout.all_dense:
                 return _dense(self, layout, buf, world_size, self.value_dtype or buf.dtype)

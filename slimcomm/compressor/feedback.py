@@ -99,12 +99,12 @@ def _accumulate(state, layout: _Layout, buf: torch.Tensor, scale) -> torch.Tenso
     residual is kept). ``scale``: the loss scale of ``buf`` (0-d tensor) or None."""
     if layout.residual is None:
         return buf if buf.dtype == torch.float32 else buf.float()
+    spare = layout.spare_buf()
     if scale is not None:
-        return torch.addcmul(buf, layout.residual, scale, value=state.error_decay,
-                             out=layout.spare)
+        return torch.addcmul(buf, layout.residual, scale, value=state.error_decay, out=spare)
     if state.error_decay != 1.0:
-        return torch.add(buf, layout.residual, alpha=state.error_decay, out=layout.spare)
-    return torch.add(layout.residual, buf, out=layout.spare)
+        return torch.add(buf, layout.residual, alpha=state.error_decay, out=spare)
+    return torch.add(layout.residual, buf, out=spare)
 
 
 def _fp16_limit(world_size: int) -> float:
@@ -132,7 +132,7 @@ def _encode(state, layout, buf, idx, world_size, wire_dtype, scale, accumulated=
     lowers the scale, and the residual, kept unscaled, then fits. ``acc`` is None
     without error feedback."""
     clip = _fp16_limit(world_size) if wire_dtype == torch.float16 and scale is None else None
-    acc = layout.spare if layout.residual is not None else None
+    acc = layout.spare_buf() if layout.residual is not None else None
     wire = ops.step_encode(buf, idx, layout.offsets_tensor(), world_size, wire_dtype, acc=acc,
                            residual=None if accumulated else layout.residual, scale=scale,
                            error_decay=state.error_decay, accumulate=not accumulated,

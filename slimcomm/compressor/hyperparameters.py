@@ -9,6 +9,7 @@ from .. import ops
 from ..codec import BITS
 
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOWBIT_COLLECTIVES = ("all_gather", "all_reduce")
 
 
 class _Frozen:
@@ -57,7 +58,8 @@ class _HyperparametersMixin:
     _WARMUP_WHY = ""
     _HYPERPARAMETERS = ("core_ratio", "explore_ratio", "core_refresh", "warmup_steps", "score",
                         "index_mode", "error_feedback", "error_decay", "value_dtype", "seed",
-                        "check_agreement_every", "value_bits", "quant_chunk")
+                        "check_agreement_every", "value_bits", "quant_chunk",
+                        "lowbit_collective")
 
     process_group = _Frozen()
     core_ratio = _Frozen()
@@ -73,11 +75,12 @@ class _HyperparametersMixin:
     check_agreement_every = _Frozen()
     value_bits = _Frozen()
     quant_chunk = _Frozen()
+    lowbit_collective = _Frozen()
 
     def _check_hyperparameters(self, process_group, core_ratio, explore_ratio, core_refresh,
                                warmup_steps, score, index_mode, error_feedback, error_decay,
                                value_dtype, seed, check_agreement_every, value_bits,
-                               quant_chunk) -> None:
+                               quant_chunk, lowbit_collective="all_gather") -> None:
         """Raise ``ValueError`` naming the first constructor argument out of range."""
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, "
@@ -103,6 +106,14 @@ class _HyperparametersMixin:
         if value_bits is not None and index_mode != "shared":
             raise ValueError("value_bits needs index_mode='shared' (codes are all-gathered "
                              "at the shared index set)")
+        if lowbit_collective not in LOWBIT_COLLECTIVES:
+            raise ValueError(f"lowbit_collective must be one of {LOWBIT_COLLECTIVES}, got "
+                             f"{lowbit_collective!r}")
+        if lowbit_collective == "all_reduce" and (self._KEEP_ALL_ZERO or
+                                                  self._VOID_NONFINITE_STEP):
+            raise ValueError(f"lowbit_collective='all_reduce' is not available in "
+                             f"{type(self).__name__} (the DDP hook's per-parameter skip "
+                             f"policies need the all-gathered codes); use 'all_gather'")
         if not _is_int(quant_chunk) or quant_chunk < 1:
             raise ValueError(f"quant_chunk must be an int >= 1, got {quant_chunk!r}")
         if not isinstance(score, str) or score not in ops.SCORES:
@@ -125,4 +136,4 @@ class _HyperparametersMixin:
         return (self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
                 self.score, self.index_mode, self.error_feedback, self.error_decay,
                 str(self.value_dtype), self.seed, self.check_agreement_every, self.value_bits,
-                self.quant_chunk)
+                self.quant_chunk, self.lowbit_collective)

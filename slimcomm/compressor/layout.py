@@ -66,7 +66,7 @@ class _Layout:
         "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
-        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum",
+        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum", "shards", "server",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -89,13 +89,12 @@ class _Layout:
             self.core_offsets.append(self.core_offsets[-1] + k)
         self.device = device
         self.dtype = dtype
-        self.G = torch.zeros(self.numel, dtype=torch.float32, device=device)
-        if error_feedback:
-            self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device)
-            self.spare = torch.empty(self.numel, dtype=torch.float32, device=device)
-        else:
-            self.residual = None
-            self.spare = None
+        # G is read only to select sparse coordinates: a group of dense parameters has none
+        self.G = None if self.all_dense else torch.zeros(self.numel, dtype=torch.float32,
+                                                         device=device)
+        self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) \
+            if error_feedback else None
+        self.spare = None  # fp32 [N] scratch of the fused step ops, made at first use (spare_buf)
         self.core: Optional[torch.Tensor] = None  # int64 [sum ks], bucket-flat indices
         # Parameter-local cores known for some segments only (from a checkpoint or an
         # older layout) while others must be computed: list of tensor-or-None.
@@ -107,6 +106,16 @@ class _Layout:
         self._offsets_t = None  # int64 [S + 1] segment offsets on the device (fused step ops)
         self.qpad = None  # the zero paddings of the quantised payload (value_bits only)
         self._cksum = {}  # k -> (int64 arange(1, k + 1), int64 k) of the index checksums
+        self.shards = None  # reduce_scatter.ShardPlan (lowbit_collective="all_reduce" only)
+        self.server = None  # fp32 [this rank's shard]: the owner's residual (idem)
+
+    def spare_buf(self) -> torch.Tensor:
+        """The fp32 ``[N]`` scratch that the fused step ops write the next residual into
+        (swapped with ``residual`` after each step); made at first use, so a transport
+        that never needs it (``lowbit_collective="all_reduce"``) costs no memory."""
+        if self.spare is None:
+            self.spare = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        return self.spare
 
     def lengths(self) -> torch.Tensor:
         """int64 ``[S]`` segment lengths on the device, built once per layout."""
@@ -230,14 +239,16 @@ class _LayoutsMixin:
             if pos in self._slots:
                 old, os_ = self._slots[pos]
                 olo, ohi = old.seg(os_)
-                layout.G[lo:hi].copy_(old.G[olo:ohi])
+                if layout.G is not None and old.G is not None:
+                    layout.G[lo:hi].copy_(old.G[olo:ohi])
                 if layout.residual is not None and old.residual is not None:
                     layout.residual[lo:hi].copy_(old.residual[olo:ohi])
                 if old.core is not None:
                     core = old.core[old.core_offsets[os_]:old.core_offsets[os_ + 1]] - olo
             elif pos in self._loaded:
                 d = self._loaded.pop(pos)
-                layout.G[lo:hi].copy_(d["G"].reshape(-1))
+                if layout.G is not None and d.get("G") is not None:
+                    layout.G[lo:hi].copy_(d["G"].reshape(-1))
                 if layout.residual is not None and d.get("residual") is not None:
                     layout.residual[lo:hi].copy_(d["residual"].reshape(-1))
                 core = d.get("core")

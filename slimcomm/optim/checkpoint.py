@@ -61,9 +61,9 @@ class _CheckpointMixin:
             with torch.no_grad():
                 for g in self._groups:
                     torch._foreach_copy_(g.outer_views, g.params)
-        with torch.no_grad():
+        with torch.no_grad():  # this rank's local parameters, set aside for the block
+            self._aside = [[p.detach().clone() for p in g.params] for g in self._groups]
             for g in self._groups:
-                torch._foreach_copy_(g.scratch_views, g.params)
                 torch._foreach_copy_(g.params, g.outer_views)
         self._in_outer = True
         try:
@@ -71,8 +71,9 @@ class _CheckpointMixin:
         finally:
             self._in_outer = False
             with torch.no_grad():
-                for g in self._groups:
-                    torch._foreach_copy_(g.params, g.scratch_views)
+                for g, aside in zip(self._groups, self._aside):
+                    torch._foreach_copy_(g.params, aside)
+            self._aside = None
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> Dict[str, Any]:
@@ -89,9 +90,9 @@ class _CheckpointMixin:
             self._start_pending = True
         local = []
         with torch.no_grad():
-            for g in self._groups:
+            for i, g in enumerate(self._groups):
                 flat = torch.empty_like(g.outer)
-                src = g.scratch_views if self._in_outer else g.params
+                src = self._aside[i] if self._in_outer else g.params
                 torch._foreach_copy_([flat[a:a + v.numel()].view(v.shape) for a, v in
                                       zip(_offsets(g.outer_views), g.outer_views)], src)
                 local.append(flat)

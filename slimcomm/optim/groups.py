@@ -20,14 +20,18 @@ class _Group:
     __slots__ = ("positions", "params", "outer", "outer_views", "scratch", "scratch_views",
                  "momentum", "key", "reset_at")
 
-    def __init__(self, positions: List[int], params: List[torch.Tensor], momentum: bool):
+    def __init__(self, positions: List[int], params: List[torch.Tensor], momentum: bool,
+                 scratch: Optional[torch.Tensor] = None):
         self.positions = positions
         self.key = tuple(positions)
         self.params = params
         n = sum(p.numel() for p in params)
         dev = params[0].device
         self.outer = torch.empty(n, dtype=torch.float32, device=dev)
-        self.scratch = torch.empty(n, dtype=torch.float32, device=dev)
+        # the pseudo-gradient and, after the synchronisation, the average: the group's own
+        # buffer, or a view of one buffer that every group on the device shares
+        self.scratch = torch.empty(n, dtype=torch.float32, device=dev) if scratch is None \
+            else scratch[:n]
         self.outer_views, self.scratch_views = [], []
         off = 0
         for p in params:
@@ -87,7 +91,7 @@ class _GroupsMixin:
                     f"Keep the parameters in float32 (torch.autocast for float16 compute, with "
                     f"a GradScaler on opt.inner) or bfloat16, or use eps >= {_FP16_TINY:.3g}")
 
-    def _make_groups(self, named, bucket_cap_mb) -> List[_Group]:
+    def _make_groups(self, named, bucket_cap_mb, share_scratch=False) -> List[_Group]:
         cap = int(bucket_cap_mb * 2**20)
         groups, cur, size = [], [], 0
         for pos, (_, p) in enumerate(named):
@@ -99,7 +103,14 @@ class _GroupsMixin:
         if cur:
             groups.append(cur)
         momentum = self.outer_momentum > 0
-        return [_Group(g, [named[i][1] for i in g], momentum) for g in groups]
+        shared: Dict[torch.device, torch.Tensor] = {}
+        if share_scratch:  # one buffer per device, the size of its largest group
+            for g in groups:
+                dev, n = named[g[0]][1].device, sum(named[i][1].numel() for i in g)
+                if dev not in shared or shared[dev].numel() < n:
+                    shared[dev] = torch.empty(n, dtype=torch.float32, device=dev)
+        return [_Group(g, [named[i][1] for i in g], momentum,
+                       shared.get(named[g[0]][1].device)) for g in groups]
 
     def _broadcast_initial_state(self) -> None:
         """Rank 0's parameters (trainable and frozen) and buffers everywhere;

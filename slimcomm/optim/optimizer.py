@@ -68,8 +68,15 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             ``"weight"``.
         value_dtype: wire dtype of the values (default bf16).
         value_bits: ``None`` (values in ``value_dtype``, all-reduced) or 1, 2,
-            4, 8: per-chunk scaled low-bit codes (:mod:`slimcomm.codec`),
-            all-gathered, with the rounding error kept by error feedback.
+            4, 8: per-chunk scaled low-bit codes (:mod:`slimcomm.codec`), with
+            the rounding error kept by error feedback (also with ``"dense"``).
+        lowbit_collective: how ``"dense"`` codes travel: ``"all_reduce"``
+            (default; two-stage all-reduce: codes to the shard owners with one
+            all-to-all, averaged and re-quantised there with an owner-side
+            residual, all-gathered; ``2 (W-1)/W`` x one rank's code size per rank
+            at any world size W, and the groups share one scratch buffer) or
+            ``"all_gather"`` (every rank's codes to every rank: bytes per rank
+            grow ~linearly in W). Sparse index sets always all-gather.
         quant_chunk: values per quantisation chunk (one bf16 scale each).
         outer_lr: outer learning rate (1.0 = apply the averaged update).
         outer_momentum: outer SGD momentum in ``[0, 1)`` (DiLoCo: 0.9).
@@ -140,6 +147,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         bucket_cap_mb: float = 25.0,
         check_agreement_every: int = 100,
         timeout: Optional[float] = 300.0,
+        lowbit_collective: str = "all_reduce",
     ):
         self.process_group = process_group
         self._failed: Optional[str] = None
@@ -167,10 +175,10 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                 explore_ratio=0.0 if dense else explore_ratio,
                 core_refresh=core_refresh, warmup_steps=warmup_syncs, score=score,
                 index_mode="local" if compression == "local" else "shared",
-                error_feedback=error_feedback and not dense, error_decay=error_decay,
-                value_dtype=value_dtype, seed=seed,
+                error_feedback=error_feedback and (not dense or value_bits is not None),
+                error_decay=error_decay, value_dtype=value_dtype, seed=seed,
                 check_agreement_every=check_agreement_every, value_bits=value_bits,
-                quant_chunk=quant_chunk)
+                quant_chunk=quant_chunk, lowbit_collective=lowbit_collective)
             self.compressor._timeout = self.timeout
             self.inner = inner
             self.sync_every = sync_every
@@ -181,7 +189,12 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             self.syncs = 0
             self._synced_at = 0
             self._module = module
-            self._groups = self._make_groups(named, bucket_cap_mb)
+            # dense codes through the two-stage all-reduce: each group's buffer is free once
+            # its codes are sent, so every group can share one (memory: outer + residual)
+            self._deferred = dense and value_bits is not None and \
+                lowbit_collective == "all_reduce"
+            self._groups = self._make_groups(named, bucket_cap_mb,
+                                             share_scratch=self._deferred)
             hp = (sync_every, compression, self.outer_lr, self.outer_momentum, self.nesterov,
                   self.compressor._hyperparameters(),
                   [(n, tuple(p.shape), str(p.dtype)) for n, p in named])
@@ -213,6 +226,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         self._start_pending = True
         self._adopt_start = True
         self._in_outer = False
+        self._aside = None   # outer_weights(): this rank's local parameters, set aside
         # Non-finite pseudo-gradients: per-sync device flags read on the host without a sync.
         self._zero = {g.outer.device: torch.zeros((), dtype=torch.float32, device=g.outer.device)
                       for g in self._groups}
@@ -385,8 +399,13 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                 ok = torch.linalg.vector_norm(g.scratch, float("inf")) < float("inf")
                 torch.where(ok, g.scratch, self._zero[g.outer.device], out=g.scratch)
                 bad.setdefault(g.outer.device, []).append(ok)
-                futs.append(comp.synchronize(layout, g.scratch, weight=g.outer,
-                                             warmup_dtype=comp.value_dtype or torch.float32))
+                warm = self._deferred and comp.step < comp.warmup_steps
+                fut = comp.synchronize(layout, g.scratch, weight=g.outer,
+                                       warmup_dtype=comp.value_dtype or torch.float32,
+                                       deferred=self._deferred)
+                if warm:  # a dense warm-up average lands in the shared scratch: keep a copy
+                    fut = _done(_comm.wait(fut, what, self.timeout).clone())
+                futs.append(fut)
             comp.end_step()
             # Every group's result first: a failed collective raises here, before any
             # parameter is written (no group is applied from a partly failed sync).
@@ -399,6 +418,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             self._fail(exc)
             raise
         for g, avg in zip(self._groups, avgs):
+            if callable(avg):  # deferred decode (two-stage all-reduce): into the scratch now
+                avg = avg(g.scratch)
             # A parameter that was non-finite on some rank comes back NaN: skip its update.
             # (nan_to_num to 0 is where(isfinite(avg), avg, 0), in one op)
             avg = avg.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
@@ -414,3 +435,10 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         self.syncs += 1
         self._synced_at = self.local_step
         self._drain_flags(wait=False)
+
+
+def _done(value) -> torch.futures.Future:
+    """A completed future holding ``value``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut

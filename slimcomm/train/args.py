@@ -295,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="low-bit values instead of --value-dtype (default: slimdp-local 2)")
     g.add_argument("--error-decay", type=_ratio("--error-decay"), default=None,
                    help="error-feedback decay beta (default: sparseloco 0.95, others 1)")
+    g.add_argument("--lowbit-collective", choices=("all_reduce", "all_gather"), default="all_reduce",
+                   help="how dense low-bit codes travel (SlimDPOptimizer(lowbit_collective=)): two-stage "
+                        "all-reduce, bytes per rank bounded in the world size (default), or all-gather")
+    g.add_argument("--no-error-feedback", action="store_true",
+                   help="SlimDPOptimizer(error_feedback=False): drop what the compression did not send "
+                        "(for measurements; error feedback is the default)")
 
     g = p.add_argument_group("ist (slimcomm.ist.ISTTrainer)")
     g.add_argument("--local-steps", type=_positive_int("--local-steps"), default=10,

@@ -88,7 +88,8 @@ def _build_sync_optimizer(args, model, inner):
     kw = dict(sync_every=args.sync_every, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
               nesterov=args.outer_momentum > 0, error_decay=args.error_decay, seed=args.seed,
               value_dtype=_VALUE_DTYPES[args.value_dtype] or torch.float32,
-              value_bits=args.value_bits, bucket_cap_mb=args.bucket_cap_mb)
+              value_bits=args.value_bits, bucket_cap_mb=args.bucket_cap_mb,
+              lowbit_collective=args.lowbit_collective, error_feedback=not args.no_error_feedback)
     if m == "diloco":
         kw.update(compression="dense")
     elif m == "sparseloco":

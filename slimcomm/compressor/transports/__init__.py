@@ -4,7 +4,8 @@ Each is a function ``(state, layout, buf, world_size, ...) -> Future`` of ``buf`
 that :meth:`SlimDPCompressor.synchronize <slimcomm.compressor.SlimDPCompressor.synchronize>`
 dispatches to: :mod:`.dense` (plain average), :mod:`.shared` (Slim-DP: one all-reduce
 at the shared index set), :mod:`.local` (per-rank top-k, all-gathered pairs),
-:mod:`.lowbit` (low-bit codes at the shared index set, all-gathered). A new transport
+:mod:`.lowbit` (low-bit codes at the shared index set, all-gathered),
+:mod:`.reduce_scatter` (low-bit codes of a dense group, two-stage all-reduce). A new transport
 is one new module here and one branch in ``synchronize``.
 
 Ordering rule: every collective is issued from the caller's thread (for the
@@ -18,6 +19,7 @@ the values.
 from .dense import _dense
 from .local import _local
 from .lowbit import _quantised
+from .reduce_scatter import _reduce_scatter_codes
 from .shared import _shared
 
-__all__ = ["_dense", "_shared", "_local", "_quantised"]
+__all__ = ["_dense", "_shared", "_local", "_quantised", "_reduce_scatter_codes"]

@@ -30,10 +30,11 @@ def _dense(state, layout, buf, world_size, wire_dtype):
             buf.copy_(out)
         # Branchless: G <- the average in the parameters whose average is finite.
         fin = torch.isfinite(_segment_max_abs(layout, out))
-        torch.where(layout.expand(fin), out, layout.G, out=layout.G)
+        if layout.G is not None:  # (a group of dense parameters selects nothing: no G)
+            torch.where(layout.expand(fin), out, layout.G, out=layout.G)
+            if scale is not None:
+                layout.G.div_(scale)
         state._note_nonfinite(fin.logical_not().sum())
-        if scale is not None:
-            layout.G.div_(scale)
         return buf
 
     return fut.then(ops.run_trusted(done))
