@@ -66,7 +66,7 @@ class _Layout:
         "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
-        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum",
+        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum", "_every",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -107,6 +107,9 @@ class _Layout:
         self._offsets_t = None  # int64 [S + 1] segment offsets on the device (fused step ops)
         self.qpad = None  # the zero paddings of the quantised payload (value_bits only)
         self._cksum = {}  # k -> (int64 arange(1, k + 1), int64 k) of the index checksums
+        # (world_size, int64 arange(N), it repeated world_size times): the index sets of a
+        # group of dense parameters in the local index mode, fixed per layout
+        self._every = None
 
     def lengths(self) -> torch.Tensor:
         """int64 ``[S]`` segment lengths on the device, built once per layout."""
