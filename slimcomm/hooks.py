@@ -47,7 +47,8 @@ elements) and per synchronised step ``t``:
 ``k, m = selection_sizes(n, core_ratio, explore_ratio)``; a parameter with
 ``k + m >= n`` is sent densely inside the same packed buffer, and a bucket of
 only such parameters is a plain all-reduce (bit-identical to DDP's default
-hook). Everything is per parameter, so the result does not depend on how DDP
+hook; in ``index_mode="local"``, the local mode's all-gather and fp32
+scatter-add without the indices, as beside sparse parameters). Everything is per parameter, so the result does not depend on how DDP
 groups parameters into buckets (``bucket_cap_mb``, the bucket rebuild after
 the first iteration, or a new DDP instance after a checkpoint).
 """
@@ -290,8 +291,9 @@ def slim_dp_hook(state: SlimDPState, bucket: dist.GradBucket) -> torch.futures.F
     Returns:
         a future of the averaged bucket ``[N]`` (the bucket buffer, written in
         place): the dense average during warm-up and for buckets whose
-        parameters are all dense (bit-identical to DDP's default hook);
-        otherwise zeros except the averaged values at the bucket's index set.
+        parameters are all dense (bit-identical to DDP's default hook; in
+        ``index_mode="local"`` summed in fp32 in rank order like a dense
+        parameter in a mixed bucket); otherwise zeros except the averaged values at the bucket's index set.
         A parameter whose gradient held NaN/inf on any rank comes back filled
         with NaN on every rank, and its residual and ``G`` are not updated.
         Sparse-gradient buckets (``nn.Embedding(sparse=True)``) are averaged

@@ -44,7 +44,9 @@ Per tensor ``p`` (position ``pos``, ``n`` elements) and per synchronised step
 
 ``k, m = selection_sizes(n, core_ratio, explore_ratio)``; a tensor with
 ``k + m >= n`` is sent densely inside the same packed buffer, and a group of
-only such tensors is a plain all-reduce. Everything is per position, so the
+only such tensors is a plain all-reduce (in ``index_mode="local"``: the same
+all-gather and fp32 scatter-add as beside sparse tensors, only no indices
+travel). Everything is per position, so the
 result does not depend on how tensors are grouped (DDP's ``bucket_cap_mb``,
 its bucket rebuild after the first iteration, a new DDP instance after a
 checkpoint).

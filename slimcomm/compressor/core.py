@@ -243,12 +243,16 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
 
         Returns:
             a future of ``buf`` holding, when it completes: the dense average
-            during warm-up and for groups of dense parameters only; otherwise
+            during warm-up and for groups of dense parameters only (in
+            ``"local"`` mode the all-gathered values of every rank summed in
+            fp32 in rank order, as in any group, so a dense parameter's
+            average does not depend on its group); otherwise
             zeros except the averaged values at the group's index set. A
             parameter whose values held NaN/inf on any rank comes back filled
             with NaN on every rank, and its residual and ``G`` are not updated.
 
-        One collective per call (two in ``"local"`` mode, all-gathers), issued
+        One collective per call (in ``"local"`` mode all-gathers: two, one for
+        a group of dense parameters only, whose indices are known), issued
         from the calling thread; the caller closes the step with
         :meth:`end_step` after the last group.
         """
@@ -261,8 +265,10 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
                 if self.lowbit_collective == "all_reduce" and layout.all_dense:
                     return _reduce_scatter_codes(self, layout, buf, world_size, step, deferred)
                 return _quantised(self, layout, buf, world_size, step, weight)
+            if self.index_mode == "local":
+                # dense parameters too: averaged by the local scatter-add whatever group
+                # they are in (the dense all-reduce would round differently)
+                return _local(self, layout, buf, world_size, step, weight)
             if layout.all_dense:
                 return _dense(self, layout, buf, world_size, self.value_dtype or buf.dtype)
-            if self.index_mode == "shared":
-                return _shared(self, layout, buf, world_size, step, weight)
-            return _local(self, layout, buf, world_size, step, weight)
+            return _shared(self, layout, buf, world_size, step, weight)

@@ -66,7 +66,7 @@ class _Layout:
         "positions", "offsets", "numels", "ks", "ms", "dense", "all_dense",
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
-        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum", "shards", "server",
+        "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum", "shards", "server", "_every",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -108,6 +108,9 @@ class _Layout:
         self._cksum = {}  # k -> (int64 arange(1, k + 1), int64 k) of the index checksums
         self.shards = None  # reduce_scatter.ShardPlan (lowbit_collective="all_reduce" only)
         self.server = None  # fp32 [this rank's shard]: the owner's residual (idem)
+        # (world_size, int64 arange(N), it repeated world_size times): the index sets of a
+        # group of dense parameters in the local index mode, fixed per layout
+        self._every = None
 
     def spare_buf(self) -> torch.Tensor:
         """The fp32 ``[N]`` scratch that the fused step ops write the next residual into

@@ -10,9 +10,11 @@ def _dense(state, layout, buf, world_size, wire_dtype):
     """Plain average; ``G`` <- the average (parameters whose average is finite).
 
     With the wire dtype equal to the bucket's (always during warm-up) this is
-    exactly DDP's default hook. After warm-up the values travel in
-    ``value_dtype`` like dense parameters inside mixed buckets do, so a dense
-    parameter is averaged the same way whatever bucket it lands in.
+    exactly DDP's default hook. After warm-up (shared index mode only; the
+    local mode averages dense groups with its own scatter-add, see
+    :func:`.local._local`) the values travel in ``value_dtype`` like dense
+    parameters inside mixed buckets do, so a dense parameter is averaged the
+    same way whatever bucket it lands in.
     """
     n = buf.numel()
     if wire_dtype == buf.dtype:
