@@ -36,6 +36,8 @@ CONFIGS = {
                                                                error_feedback=False),
     "dense 2-bit, all_gather, error feedback": dict(lowbit_collective="all_gather"),
     "dense 2-bit, all_reduce, error feedback (default)": dict(lowbit_collective="all_reduce"),
+    "dense 2-bit, all_reduce, error feedback, bucket_cap_mb 8": dict(lowbit_collective="all_reduce",
+                                                                    bucket_cap_mb=8),
 }
 
 
@@ -101,11 +103,27 @@ def _worker(rank, world_size, store_dir, cfg, n_params, width, steps, out):
                     kept=kept), os.path.join(out, f"r{rank}.pt"))
 
 
-def measure(cfg, n_params, width, steps, world_size=2):
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world_size, d, cfg, n_params, width, steps, d),
-                           nprocs=world_size, start_method="spawn")
-        return [torch.load(os.path.join(d, f"r{r}.pt")) for r in range(world_size)]
+def measure(cfg, n_params, width, steps, fixed_mmap, world_size=2):
+    """Rank 0's measurement in fresh processes. ``fixed_mmap``: glibc's mmap threshold
+    held at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so every large block is returned to
+    the OS when freed and the peak counts what was allocated at once; otherwise glibc's
+    default (the threshold grows with freed blocks, whose pages the heap may keep)."""
+    old = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if fixed_mmap:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            mp.start_processes(_worker, args=(world_size, d, cfg, n_params, width, steps, d),
+                               nprocs=world_size, start_method="spawn")
+            return torch.load(os.path.join(d, "r0.pt"))
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if old is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+
+
+def _median(runs, key):
+    return sorted(r[key] for r in runs)[len(runs) // 2]
 
 
 def main(argv=None):
@@ -116,35 +134,45 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=7, help="training steps (synchronisations at 3, 6)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "optim_memory"))
+    p.add_argument("--only", default="", help="run only the configurations whose name holds this "
+                                                "(and the baseline)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration (medians)")
     a = p.parse_args(argv)
     rows, raw = [], {}
-    base = None
-    for name, cfg in CONFIGS.items():
-        res = measure(cfg, a.params, a.width, a.steps)
-        r0 = res[0]
-        raw[name] = res
-        n = r0["params"]
-        if cfg is None:
-            base = r0
-            rows.append([name, n, f"{r0['peak_train'] / 2**20:.0f}", "-", "-", "-", "-"])
-            continue
-        rows.append([name, n, f"{r0['peak_train'] / 2**20:.0f}",
-                     f"{(r0['peak_train'] - base['peak_train']) / n:.2f}",
-                     f"{(r0['peak_state_dict'] - base['peak_state_dict']) / n:.2f}",
-                     f"{r0['kept'] / n:.2f}",
-                     f"{(r0['peak_train'] - base['peak_train'] - r0['kept']) / n:.2f}"])
-        print(rows[-1], flush=True)
-    head = ["configuration", "parameters", "peak RSS training (MiB)",
+    for fixed in (True, False):
+        malloc = "mmap threshold 128 KiB" if fixed else "glibc default"
+        base = None
+        for name, cfg in CONFIGS.items():
+            if cfg is not None and a.only not in name:
+                continue
+            runs = [measure(cfg, a.params, a.width, a.steps, fixed) for _ in range(a.repeats)]
+            raw[f"{malloc}: {name}"] = runs
+            n = runs[0]["params"]
+            train, sd = _median(runs, "peak_train"), _median(runs, "peak_state_dict")
+            if cfg is None:
+                base = (train, sd)
+                rows.append([malloc, name, n, f"{train / 2**20:.0f}", "-", "-", "-"])
+            else:
+                rows.append([malloc, name, n, f"{train / 2**20:.0f}",
+                             f"{(train - base[0]) / n:.2f}", f"{(sd - base[1]) / n:.2f}",
+                             f"{runs[0]['kept'] / n:.2f}"])
+            print(rows[-1], flush=True)
+    head = ["malloc", "configuration", "parameters", "peak RSS training (MiB, median)",
             "extra B/param (training peak)", "extra B/param (peak with state_dict)",
-            "kept between steps B/param", "transient B/param"]
+            "kept between steps B/param"]
     table = tabulate(rows, head, tablefmt="github")
     text = (f"## SlimDPOptimizer: extra memory per parameter (rank 0 of 2, gloo, CPU)\n\n"
             f"{date.today()}, torch {torch.__version__}. Model: square Linear layers of width "
             f"{a.width}, AdamW, {a.steps} steps with sync_every=3 (dense 2-bit codes, outer lr 1.4), "
-            f"then `state_dict()`. Peak RSS = VmHWM; extra = peak minus the plain-AdamW peak of the "
-            f"same loop, per parameter; kept = bytes of the tensors the optimizer holds between "
-            f"steps.\n\nCommand: `python bench/optim_memory.py --params {a.params} --width {a.width} "
-            f"--steps {a.steps}`\n\n{table}\n")
+            f"then `state_dict()`; medians of {a.repeats} fresh runs. Peak = VmHWM of rank 0; "
+            f"extra = peak minus the plain-AdamW peak of the same loop, per parameter; kept = "
+            f"bytes of the tensors the optimizer holds between steps (outer copy, residuals, "
+            f"scratch, G, core indices, owner-side residual). With glibc's default the heap keeps "
+            f"pages of freed blocks, so the peak there also depends on the order of allocations "
+            f"(the baseline's own peak varied by about 100 MiB between runs); the 128 KiB mmap "
+            f"threshold returns every large freed block, so its peak counts what was allocated "
+            f"at once.\n\nCommand: `python bench/optim_memory.py --params {a.params} --width "
+            f"{a.width} --steps {a.steps} --repeats {a.repeats}`\n\n{table}\n")
     print(text)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".md", "w") as f:

@@ -105,9 +105,10 @@ def _opt_body(rank, world_size, device, compression, steps=6):
     dev = _device(device)
     model = _mlp(dev)
     inner = torch.optim.SGD(model.parameters(), lr=0.01)
-    opt = SlimDPOptimizer(model, inner, sync_every=1, compression=compression,
+    bits = 2 if compression == "dense-2bit" else None  # the two-stage low-bit all-reduce
+    opt = SlimDPOptimizer(model, inner, sync_every=1, compression=compression.split("-")[0],
                           core_ratio=0.1, explore_ratio=0.05, core_refresh=2,
-                          outer_momentum=0.9)
+                          outer_momentum=0.9, value_bits=bits)
     counter = OpCounter()
     real_sync = opt.synchronize
     calls = []
@@ -174,7 +175,7 @@ def test_hook_steady_steps_have_no_host_sync(device, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("compression", ["shared", "local"])
+@pytest.mark.parametrize("compression", ["shared", "local", "dense-2bit"])
 def test_optimizer_sync_has_no_host_sync(device, compression, monkeypatch):
     res = _run(_opt_body, device, compression, monkeypatch=monkeypatch)[0]
     assert res["checked"] >= 4 and res["syncs"] == 0, res

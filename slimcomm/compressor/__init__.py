@@ -70,7 +70,10 @@ The package, one job a module:
   commit, loss scale, undoing void steps;
 * :mod:`~slimcomm.compressor.transports` -- how one group's values travel, one
   module each: ``dense``, ``shared`` (all-reduce), ``local`` (all-gather of
-  pairs), ``lowbit`` (all-gather of low-bit codes);
+  pairs), ``lowbit`` (all-gather of low-bit codes), ``reduce_scatter`` (the
+  two-stage low-bit all-reduce of a dense group: codes to shard owners with
+  one all-to-all, owner-side residual, all-gather; bytes per rank bounded in
+  the world size);
 * :mod:`~slimcomm.compressor.checkpoint` -- ``state_dict`` / ``load_state_dict``,
   the ownership check, pickling;
 * :mod:`~slimcomm.compressor.stats` -- the communication statistics.

@@ -70,8 +70,14 @@ class _CheckpointMixin:
         self._owner_pending = None
 
     # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, copy: bool = True) -> Dict[str, Any]:
         """This rank's Slim-DP state, for ``torch.save`` (every rank saves its own).
+
+        Args:
+            copy: ``True``: the tensors are clones. ``False``: views of the live
+                state where one exists (no extra memory; valid until the next
+                synchronised step, so save them first, as with
+                ``torch.optim.Optimizer.state_dict``).
 
         Returns:
             dict with ``version``, ``step`` (synchronised steps done; also the
@@ -88,9 +94,14 @@ class _CheckpointMixin:
             "residual" (fp32 [numel] or None), "G" (fp32 [numel], or None for a
             parameter in a group of dense parameters, which selects nothing), "core"
             (int64 parameter-local indices, or None)}}``. Tensors are clones
-            on the state's device. No process group, no model.
+            (``copy=False``: views) on the state's device. No process group, no
+            model.
         """
         self._settle()
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if copy else t
+
         params: Dict[int, Dict[str, Any]] = {}
         for pos, (layout, s) in self._slots.items():
             lo, hi = layout.seg(s)
@@ -102,8 +113,8 @@ class _CheckpointMixin:
             params[pos] = {
                 "name": self._names[pos],
                 "numel": hi - lo,
-                "residual": None if layout.residual is None else layout.residual[lo:hi].clone(),
-                "G": None if layout.G is None else layout.G[lo:hi].clone(),
+                "residual": None if layout.residual is None else keep(layout.residual[lo:hi]),
+                "G": None if layout.G is None else keep(layout.G[lo:hi]),
                 "core": core,
             }
         for pos, d in self._loaded.items():
@@ -112,7 +123,7 @@ class _CheckpointMixin:
         server = {key: t.clone() for key, t in self._server_loaded.items()}
         for key, layout in self._layouts.items():
             if layout.server is not None:
-                server[key] = layout.server.clone()
+                server[key] = keep(layout.server)
         return {
             "version": _STATE_VERSION,
             "owner": self._owner(),

@@ -21,6 +21,15 @@ of DiLoCo (Douillard et al., arXiv 2311.08105, Alg. 1):
    (Nesterov) momentum, as in DiLoCo), then every rank's parameters are set
    to the new outer parameters, so replicas are identical after every sync.
 
+``compression="dense"`` with ``value_bits`` (the recommended AdamW setting:
+every coordinate as a 2-bit code every 3 steps) keeps error feedback on every
+rank and averages the codes with a two-stage all-reduce
+(``lowbit_collective="all_reduce"``, the compressed all-reduce of 1-bit Adam,
+Tang et al., arXiv 2102.02888, Sec. 4): codes to the shard owners with one
+all-to-all, each owner decodes and averages its shard, adds its own residual
+and re-quantises, and the owners' codes are all-gathered, so each rank sends
+``~2 (W-1)/W`` x one rank's code size at any world size ``W``.
+
 The same class gives the baselines: ``compression="dense"`` is DiLoCo (dense
 averaged pseudo-gradient, outer Nesterov SGD), ``compression="local"`` with
 ``error_decay < 1`` and plain outer SGD is SparseLoCo (Sarfi et al., arXiv

@@ -83,19 +83,16 @@ class _CheckpointMixin:
         constructor broadcasts rank 0's), counters and ``compression``. Every
         rank saves its own; a resume is bit-exact. Inside :meth:`outer_weights`
         it is the same as outside (the local parameters set aside there).
-        Tensors are copies (outer, local, momentum) or references (inner,
-        compressor), as in ``torch.optim.Optimizer.state_dict``."""
+        Tensors are references to the live state (outer copies, local
+        parameters, momentum, inner, compressor), as in
+        ``torch.optim.Optimizer.state_dict``: no extra memory, valid until the
+        next step, so save (``torch.save``) or copy them before stepping on.
+        ``"local"`` holds per group the list of this rank's local parameters."""
         if self._start_pending:   # no inner step yet: the model itself is the starting point
             self._take_start()
             self._start_pending = True
-        local = []
-        with torch.no_grad():
-            for i, g in enumerate(self._groups):
-                flat = torch.empty_like(g.outer)
-                src = self._aside[i] if self._in_outer else g.params
-                torch._foreach_copy_([flat[a:a + v.numel()].view(v.shape) for a, v in
-                                      zip(_offsets(g.outer_views), g.outer_views)], src)
-                local.append(flat)
+        local = [[p.detach() for p in (self._aside[i] if self._in_outer else g.params)]
+                 for i, g in enumerate(self._groups)]
         return {
             "version": _STATE_VERSION,
             "compression": self.compression,
@@ -105,11 +102,10 @@ class _CheckpointMixin:
             "syncs": self.syncs,
             "synced_at": self._synced_at,
             "inner": self.inner.state_dict(),
-            "outer": [g.outer.clone() for g in self._groups],
+            "outer": [g.outer for g in self._groups],
             "local": local,
-            "momentum": [None if g.momentum is None else g.momentum.clone()
-                         for g in self._groups],
-            "compressor": self.compressor.state_dict(),
+            "momentum": [g.momentum for g in self._groups],
+            "compressor": self.compressor.state_dict(copy=False),
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -149,8 +145,10 @@ class _CheckpointMixin:
         with torch.no_grad():
             for g, o, m, loc in zip(self._groups, outer, mom, state_dict["local"]):
                 g.outer.copy_(o)
-                torch._foreach_copy_(g.params, [loc[a:a + v.numel()].view(v.shape) for a, v in
-                                                zip(_offsets(g.outer_views), g.outer_views)])
+                if torch.is_tensor(loc):  # one flat tensor per group (slimcomm <= 0.x)
+                    loc = [loc[a:a + v.numel()].view(v.shape) for a, v in
+                           zip(_offsets(g.outer_views), g.outer_views)]
+                torch._foreach_copy_(g.params, list(loc))
                 if g.momentum is not None and m is not None:
                     g.momentum.copy_(m)
         self.local_step = state_dict["local_step"]
@@ -187,6 +185,14 @@ class _CheckpointMixin:
                 any(o.numel() != g.outer.numel() for o, g in zip(outer, self._groups)):
             raise ValueError("state_dict: outer parameters do not match this model's parameter "
                              "groups (same model and bucket_cap_mb needed)")
+        for i, (loc, g) in enumerate(zip(state_dict["local"], self._groups)):
+            shapes = [tuple(p.shape) for p in g.params]
+            ok = loc.numel() == g.outer.numel() if torch.is_tensor(loc) else \
+                isinstance(loc, (list, tuple)) and all(torch.is_tensor(t) for t in loc) and \
+                [tuple(t.shape) for t in loc] == shapes
+            if not ok:
+                raise ValueError(f"state_dict: 'local' of parameter group {i} does not match this "
+                                 f"model's parameters {shapes[:4]}{' ...' if len(shapes) > 4 else ''}")
         if not isinstance(state_dict["compressor"], dict) or \
                 "owner" not in state_dict["compressor"]:
             raise ValueError("state_dict: 'compressor' lacks its 'owner' (saved by an older "

@@ -96,10 +96,12 @@ def _plan(state, layout, world_size: int) -> ShardPlan:
 
 
 def _segment_flags(layout, buf: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[S]`` per segment of ``buf``: NaN if non-finite, 1 if nonzero, else 0."""
-    m = torch.segment_reduce(buf.abs(), "max", lengths=layout.lengths(), initial=0)
-    return torch.where(torch.isfinite(m), (m > 0).to(torch.float32),
-                       torch.full_like(m, float("nan"), dtype=torch.float32))
+    """fp32 ``[S]`` per segment of ``buf``: NaN if non-finite, 1 if nonzero, else 0
+    (from the segment max and min, so no temporary of ``buf``'s size)."""
+    hi = torch.segment_reduce(buf, "max", lengths=layout.lengths(), initial=0)
+    lo = torch.segment_reduce(buf, "min", lengths=layout.lengths(), initial=0)
+    m = torch.maximum(hi, lo.neg_())  # max |x| (NaN propagates)
+    return m.mul(0).add_(m > 0)  # 0 * inf and 0 * NaN are NaN
 
 
 def _reduce_scatter_codes(state, layout, buf, world_size, step, deferred=False):
@@ -168,9 +170,9 @@ def _reduce_scatter_codes(state, layout, buf, world_size, step, deferred=False):
                 saved.numel() == avg.numel() else torch.zeros_like(avg)
         avg.add_(layout.server)
     packed, scales, lost = plan.plans[rank].quantize(avg, bits)
-    if layout.residual is not None:
-        layout.server = lost.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    del avg
+    if layout.residual is not None:  # copied into the same buffer (no heap churn)
+        torch.nan_to_num(lost, nan=0.0, posinf=0.0, neginf=0.0, out=layout.server)
+    del avg, lost
     block = torch.cat([flags.view(torch.uint8)] + plan.block(rank, scales, packed))
     gathered = torch.empty(W * (4 * S + P), dtype=torch.uint8, device=buf.device)
     fut = _comm.all_gather(gathered, block, state.group, state._timeout).get_future()
@@ -180,7 +182,7 @@ def _reduce_scatter_codes(state, layout, buf, world_size, step, deferred=False):
         g = gathered.view(W, 4 * S + P)
         for j, (lo, hi) in enumerate(shards):
             out[lo:hi].copy_(plan.decode(j, g[j:j + 1, 4 * S:], bits, 1.0))
-        bad = torch.isfinite(g[:, :4 * S].view(torch.float32).sum(0)).logical_not_()
+        bad = g[:, :4 * S].view(torch.float32).sum(0).isnan()  # flags are 0, 1 or NaN
         out.masked_fill_(layout.expand(bad), float("nan"))
         counter[:1].add_(bad.sum())
         return out
