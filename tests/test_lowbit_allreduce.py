@@ -263,3 +263,45 @@ def test_groups_share_one_scratch_only_with_the_two_stage_all_reduce():
     assert groups > 2 and shared == 1
     groups, own = run_workers(_scratch, 2, "all_gather")[0]
     assert own == groups
+
+
+def _state_after(rank, world_size, collective):
+    model = _net(0)
+    opt = SlimDPOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                          **dict(CFG, bucket_cap_mb=0.004, lowbit_collective=collective))
+    _train(rank, 6, CFG, model, opt)
+    n = sum(p.numel() for p in model.parameters())
+    seen, kept = set(), 0
+    for t in [g.outer for g in opt._groups] + [g.scratch for g in opt._groups] + \
+            [g.momentum for g in opt._groups] + \
+            [getattr(lay, f) for lay in opt.compressor._layouts.values()
+             for f in ("residual", "spare", "G", "core", "server")]:
+        if t is not None and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            kept += t.untyped_storage().nbytes()
+    lays = list(opt.compressor._layouts.values())
+    residuals = [e["residual"] for e in opt.compressor.state_dict()["params"].values()]
+    return dict(per_param=kept / n, largest=max(g.outer.numel() for g in opt._groups) / n,
+                groups=len(opt._groups), n=n,
+                G=[lay.G is None for lay in lays], core=[lay.core is None for lay in lays],
+                residual_nonzero=all(r is not None and bool(r.abs().sum() > 0) for r in residuals))
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+def test_dense_codes_keep_error_feedback(collective):
+    """Issue 23, item 8: dense low-bit codes keep the rounding error (residual) on every
+    rank; before, ``error_feedback and not dense`` dropped it."""
+    res = run_workers(_state_after, 2, collective)
+    assert all(r["residual_nonzero"] for r in res)
+
+
+def test_dense_codes_memory_outer_residual_and_a_shared_scratch():
+    """Issue 23, item 9: what the optimizer keeps per parameter with dense 2-bit codes,
+    error feedback and the two-stage all-reduce: outer copy 4 B + residual 4 B + this
+    rank's shard of the owner-side residual 4/W B + one scratch of the largest group; no
+    G and no int64 index per coordinate."""
+    for r in run_workers(_state_after, 2, "all_reduce"):
+        assert all(r["G"]) and all(r["core"])
+        # (an owner's shard may exceed 1/W of its group by up to one code chunk)
+        owner_slack = 4 * CFG["quant_chunk"] * r["groups"] / r["n"]
+        assert r["per_param"] <= 4 + 4 + 4 / 2 + 4 * r["largest"] + owner_slack, r

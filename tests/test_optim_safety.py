@@ -289,3 +289,18 @@ def _other_compression(rank, world_size):
 def test_resume_with_another_compression_names_it():
     for msg in run_workers(_other_compression, 2):
         assert msg is not None and "compression='dense'" in msg and "core_ratio" not in msg
+
+
+def _bucket_cap_differs(rank, world_size):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    SlimDPOptimizer(m, torch.optim.AdamW(m.parameters()), sync_every=2, compression="dense",
+                    value_bits=2, bucket_cap_mb=0.01 if rank else 25)
+
+
+def test_bucket_cap_mb_differing_across_ranks_is_a_clear_error():
+    """Issue 23, item 10: groups that differ across ranks used to mismatch the sizes of the
+    constructor's broadcasts (gloo: 'Received data size doesn't match expected size', the
+    process aborted); now every rank raises before any collective of a group."""
+    with pytest.raises(WorkerError, match="bucket_cap_mb"):
+        run_workers(_bucket_cap_differs, 2, timeout=120)

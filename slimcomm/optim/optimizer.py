@@ -195,9 +195,12 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                 lowbit_collective == "all_reduce"
             self._groups = self._make_groups(named, bucket_cap_mb,
                                              share_scratch=self._deferred)
+            # the groups too: each is one collective, so groups that differ across ranks
+            # (bucket_cap_mb) would mismatch their sizes (gloo aborts the process)
             hp = (sync_every, compression, self.outer_lr, self.outer_momentum, self.nesterov,
                   self.compressor._hyperparameters(),
-                  [(n, tuple(p.shape), str(p.dtype)) for n, p in named])
+                  [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
+                  [g.key for g in self._groups])
             fingerprint = zlib.crc32(repr(hp).encode())
         except ValueError as exc:
             error = exc
@@ -210,7 +213,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         if differ:
             raise RuntimeError(
                 "SlimDPOptimizer: the ranks were constructed with different hyperparameters "
-                "or models; construct it with the same arguments on every rank")
+                "(e.g. sync_every, compression, bucket_cap_mb) or models; construct it with the "
+                "same arguments on every rank")
         views = [v for g in self._groups for v in g.outer_views]
         self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
         # Parameters frozen at construction (broadcast like DDP, never synchronised; one
