@@ -245,7 +245,8 @@ def _outer(rank, world_size):
         inside = opt.state_dict()
         assert torch.equal(flat(m), outer)          # nothing above changed the model
     out["restored"] = torch.equal(flat(model), local)
-    out["state_equal"] = all(torch.equal(a, b) for a, b in zip(inside["local"], outside["local"]))
+    out["state_equal"] = all(torch.equal(a, b) for ga, gb in zip(inside["local"], outside["local"])
+                             for a, b in zip(ga, gb))
     out["outer_is_not_local"] = not torch.equal(outer, local)
     if rank == 0:                       # evaluation on rank 0 only: no communication
         with torch.no_grad(), opt.outer_weights() as m:
