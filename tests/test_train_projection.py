@@ -4,9 +4,8 @@
 * the projection is exact arithmetic on a synthetic run;
 * projected from the committed 1 Gbit/s netbench runs (their measured compute per step and counted bytes),
   the 100 Mbit/s train time of ddp, slimdp and ist is within 15% of the committed measured 100 Mbit/s runs
-  of the same setting (bench/results/netbench_2ranks/: ddp and ist; slimdp there is +18%, an expected
-  failure explained below) and of the 2-rank sweep with the current code (bench/results/scale/mlp_2ranks/:
-  all three).
+  of the same setting (bench/results/netbench_2ranks/, re-measured 2026-12-05 with the current code) and of
+  the 2-rank sweep with the current code (bench/results/scale/mlp_2ranks/).
 """
 
 import json
@@ -103,22 +102,21 @@ def _measured_at(run, step):
     return next(e["train_time_s"] for e in run["evals"] if e["step"] == step)
 
 
-# The committed slimdp runs of netbench_2ranks (2026-11-30; the 1 Gbit/s phase ran before the 100 Mbit/s
-# one) do not allow a projection across the two phases: their steady 100 Mbit/s steps (95-105 ms, seeds
-# 0-2) are no longer than their 1 Gbit/s steps (98-112 ms), although a 233 KB all-reduce costs 21 ms more
-# per step at 100 Mbit/s (collbench); the compute per step changed between the phases by more than the
-# link does (powersgd and ist show the same 15-20% faster compute at 100 Mbit/s). Projected: +18% (median
-# of the seeds). strict: the day these runs are re-measured and agree, this marker must go.
-_NETBENCH_CASES = [pytest.param(m, marks=pytest.mark.xfail(
-    strict=True, reason="committed slimdp 1 Gbit/s and 100 Mbit/s runs differ in compute per step by more "
-                        "than the link costs (+18%)")) if m == "slimdp" else m for m in DEMO_METHODS]
+# netbench_2ranks' ddp, slimdp and ist runs were re-measured on 2026-12-05 with the current code, each seed's
+# 1 Gbit/s run followed at once by its 100 Mbit/s run (the earlier files ran every 1 Gbit/s run first and
+# every 100 Mbit/s run afterwards; the machine computed 15-20% faster in the second phase, and slimdp, whose
+# step is mostly compute, missed by +18%). Medians of the seeds: ddp +1.8%, slimdp +2.0%, ist -6.4%. The
+# machine was shared (load average 1.3-17.5, median 7.8: bench/results/netbench_2ranks.md), so a seed's
+# compute per step differs between its two runs and single seeds miss by up to 15% (slimdp seed 0: -15%,
+# ist seed 0: +10%); the median over three seeds is what this test holds to the tolerance.
 
 
-@pytest.mark.parametrize("method", _NETBENCH_CASES)
+@pytest.mark.parametrize("method", DEMO_METHODS)
 def test_projection_matches_measured_netbench_100mbit(method):
     """netbench_2ranks (Fashion-MNIST MLP 2048-2048, 2 ranks, batch 128, evaluation every 20 steps, seeds
     0-2): the 1 Gbit/s run's compute per step and bytes, projected onto 100 Mbit/s, against the measured
-    100 Mbit/s run of the same seed up to the step it stopped at (the target); medians over the seeds."""
+    100 Mbit/s run of the same seed up to the step it stopped at (the target, or the last step: ist with
+    its current defaults does not reach 0.85 in 2 epochs); medians over the seeds."""
     proj, meas = [], []
     for seed in (0, 1, 2):
         fast = _load(NETBENCH, f"1gbit_{method}_s{seed}.json")
