@@ -306,7 +306,12 @@ def slim_dp_hook(state: SlimDPState, bucket: dist.GradBucket) -> torch.futures.F
             of waiting in a collective); the ranks' states differ; the
             index-set agreement check failed (raised on every rank, naming
             the bucket's parameters).
+        TypeError: ``state`` is not a :class:`SlimDPState` (e.g. a plain
+            ``SlimDPCompressor``, which has no bucket bookkeeping).
     """
+    if not isinstance(state, SlimDPState):
+        raise TypeError(f"slim_dp_hook: state must be a SlimDPState (register_comm_hook(state, "
+                        f"slim_dp_hook)), got {type(state).__name__}")
     buf = bucket.buffer()
     try:
         if buf.layout != torch.strided:

@@ -305,3 +305,54 @@ def test_dense_codes_memory_outer_residual_and_a_shared_scratch():
         # (an owner's shard may exceed 1/W of its group by up to one code chunk)
         owner_slack = 4 * CFG["quant_chunk"] * r["groups"] / r["n"]
         assert r["per_param"] <= 4 + 4 + 4 / 2 + 4 * r["largest"] + owner_slack, r
+
+
+class _Tensors(nn.Module):
+    """Parameters of the given shapes and a loss that touches each of them."""
+
+    def __init__(self, shapes, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(*s)) for s in shapes])
+
+    def loss(self, rank, t):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        return sum((p * torch.randn(p.shape, generator=g)).sum() ** 2 for p in self.ps)
+
+
+def _shapes_run(rank, world_size, shapes, cfg, steps):
+    model = _Tensors(shapes, 0)
+    opt = SlimDPOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), **cfg)
+    for t in range(steps):
+        opt.zero_grad()
+        model.loss(rank, t).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_sparse_codes_layout_invariant_beside_dense_groups():
+    """compression="shared" with value_bits: a group of dense (small) tensors only is
+    all-gathered like the same tensors beside sparse ones (the two-stage path is only
+    for core_ratio 1), so bucket_cap_mb changes nothing."""
+    shapes = [(1,), (5,), (3, 7), (130,), (1,), (40,), (2, 2, 3)]
+    cfg = dict(sync_every=3, compression="shared", core_ratio=0.2, explore_ratio=0.1,
+               value_bits=2, quant_chunk=8, outer_lr=1.4)
+    big = run_workers(_shapes_run, 2, shapes, dict(cfg, bucket_cap_mb=25.0), 12)[0]
+    tiny = run_workers(_shapes_run, 2, shapes, dict(cfg, bucket_cap_mb=1e-6), 12)[0]
+    assert all(torch.equal(a, b) for a, b in zip(big, tiny))
+
+
+@pytest.mark.parametrize("compression", ["dense", "shared", "local"])
+def test_empty_parameter_alone_in_a_group(compression):
+    """A zero-element parameter alone in a group (after one larger than bucket_cap_mb)."""
+    cfg = dict(sync_every=1, compression=compression, bucket_cap_mb=0.0005,
+               value_bits=2 if compression == "dense" else None)
+    res = run_workers(_shapes_run, 2, [(300,), (0,), (300,)], cfg, 3)
+    for a, b in zip(res[0], res[1]):
+        assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_ddp_hook_refuses_a_plain_compressor():
+    from slimcomm.hooks import slim_dp_hook
+    with pytest.raises(TypeError, match="state must be a SlimDPState"):
+        slim_dp_hook(SlimDPCompressor(), None)

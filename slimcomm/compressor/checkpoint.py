@@ -106,7 +106,9 @@ class _CheckpointMixin:
         for pos, (layout, s) in self._slots.items():
             lo, hi = layout.seg(s)
             core = None
-            if layout.core is not None:
+            if layout.all_dense:
+                pass  # every coordinate is sent: the index set is all of them, not saved
+            elif layout.core is not None:
                 core = (layout.core[layout.core_offsets[s]:layout.core_offsets[s + 1]] - lo).clone()
             elif layout.pending is not None and layout.pending[s] is not None:
                 core = layout.pending[s].clone()
@@ -235,7 +237,9 @@ class _CheckpointMixin:
                                  "with 'positions' (ints) and an fp32 'residual'")
             server[tuple(e["positions"])] = e["residual"].reshape(-1)
         self._loaded = loaded
-        self._server_loaded = server
+        # the owners' residuals belong to the two-stage all-reduce: resumed with
+        # lowbit_collective="all_gather" they are dropped (not carried to a later save)
+        self._server_loaded = server if self.lowbit_collective == "all_reduce" else {}
         self._owner_pending = dict(owner)
         self.step = step
         st = state_dict.get("stats")

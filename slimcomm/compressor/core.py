@@ -47,7 +47,8 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
     rank, bytes per rank growing with the world size; or ``"all_reduce"``,
     the two-stage all-reduce of :mod:`.transports.reduce_scatter`, ``2 (W-1)/W``
     x one rank's code size per rank at any world size, with an owner-side
-    residual; sparse groups always all-gather).
+    residual; used when ``core_ratio == 1``, every tensor sent densely;
+    otherwise codes at sparse index sets are all-gathered).
 
     Hyperparameters are fixed at construction: assigning one raises
     ``AttributeError`` (the cached layouts and every rank's index sets depend
@@ -262,7 +263,10 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
             return _dense(self, layout, buf, world_size, warmup_dtype or buf.dtype)
         with ops.trusted_indices():  # our own index sets: no host sync for CUDA value checks
             if self.value_bits is not None:
-                if self.lowbit_collective == "all_reduce" and layout.all_dense:
+                # only when every tensor is dense in every grouping (core_ratio 1): a dense
+                # tensor beside sparse ones is all-gathered, so the path must not depend on
+                # the grouping (layout invariance)
+                if self.lowbit_collective == "all_reduce" and self.core_ratio >= 1.0:
                     return _reduce_scatter_codes(self, layout, buf, world_size, step, deferred)
                 return _quantised(self, layout, buf, world_size, step, weight)
             if self.index_mode == "local":

@@ -173,13 +173,13 @@ def _commit(state, layout, buf, acc, idx, avg, step, scale, local=None):
             return None, void
         return ops.step_commit(buf, idx, layout.offsets_tensor(), avg, counter, G=layout.G,
                                acc=acc, residual=residual, scale=scale,
-                               keep_all_zero=state._KEEP_ALL_ZERO, return_old_g=void_policy,
-                               void_in=prev)
+                               keep_all_zero=state._KEEP_ALL_ZERO,
+                               return_old_g=void_policy and layout.G is not None, void_in=prev)
 
     with state._lock:  # the counter (and the step's flag) updated atomically
         if void_policy:
             old_g, void = run(state._void_flags.get(step))
-            state._undo.append((layout, step, idx, old_g))
+            state._undo.append((layout, step, idx, old_g if layout.G is not None else None))
             state._void_flags[step] = void
         else:
             run(None)

@@ -261,6 +261,8 @@ class _LayoutsMixin:
                 core = None  # sizes changed (new ratios): recompute at the next sparse step
             cores.append(core)
             self._slots[pos] = (layout, s)
+        if layout.all_dense:  # every coordinate is sent: no index set to keep (8 B/param)
+            return
         if cores and all(c is not None for c in cores):
             layout.core = torch.cat([c + layout.offsets[s] for s, c in enumerate(cores)])
         elif any(c is not None for c in cores):

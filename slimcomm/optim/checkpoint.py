@@ -86,7 +86,10 @@ class _CheckpointMixin:
         Tensors are references to the live state (outer copies, local
         parameters, momentum, inner, compressor), as in
         ``torch.optim.Optimizer.state_dict``: no extra memory, valid until the
-        next step, so save (``torch.save``) or copy them before stepping on.
+        next step, so save (``torch.save``) or copy them before stepping on: a
+        dict kept in memory while training goes on holds the new tensors beside
+        the old counters, and loading it later restores neither point (keep a
+        restore point with ``copy.deepcopy(opt.state_dict())``).
         ``"local"`` holds per group the list of this rank's local parameters."""
         if self._start_pending:   # no inner step yet: the model itself is the starting point
             self._take_start()

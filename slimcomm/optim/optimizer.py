@@ -400,7 +400,9 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                 torch.sub(g.outer, g.scratch, out=g.scratch)
                 # Non-finite on this rank: send zeros instead (branchless, 3 ops; the largest
                 # |x| is NaN or inf iff some coordinate is)
-                ok = torch.linalg.vector_norm(g.scratch, float("inf")) < float("inf")
+                ok = torch.linalg.vector_norm(g.scratch, float("inf")) < float("inf") \
+                    if g.scratch.numel() else torch.ones((), dtype=torch.bool,
+                                                         device=g.outer.device)
                 torch.where(ok, g.scratch, self._zero[g.outer.device], out=g.scratch)
                 bad.setdefault(g.outer.device, []).append(ok)
                 warm = self._deferred and comp.step < comp.warmup_steps

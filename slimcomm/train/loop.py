@@ -244,7 +244,8 @@ def _train(rank, world_size, args, device, backend):
 
     probe = None
     if args.link_times and world_size > 1:  # collective: every rank times the same few calls, after training
-        probe = train_projection.probe_link(train_projection.PATTERN[args.method], world_size, device)
+        probe = train_projection.probe_link(train_projection.pattern_of(args.method, vars(args)),
+                                           world_size, device)
     wire_ranks = None
     if wire is not None:  # one small collective after training, outside the counted windows
         wire_ranks = [None] * world_size

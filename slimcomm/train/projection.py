@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PATTERN", "LinkModel", "fit_link", "collectives_per_step", "EMULATED_LINKS", "LINK_NAMES",
+__all__ = ["PATTERN", "pattern_of", "LinkModel", "fit_link", "collectives_per_step", "EMULATED_LINKS", "LINK_NAMES",
            "DEFAULT_RATES", "probe_link", "run_compute_s", "project_result", "add_link_times", "link_result",
            "links_table", "projection_note"]
 
@@ -60,6 +60,24 @@ PATTERN = {
     "diloco": "allreduce", "topk": "allgather", "sparseloco": "allgather", "ist": "allgather",
     "slimdp-local": "allgather",
 }
+
+
+def pattern_of(method: str, config: Optional[Dict[str, Any]] = None) -> str:
+    """The collective pattern (``"allreduce"`` / ``"allgather"``) of a run of ``method`` with the
+    training command's ``config`` (a results dict's ``"config"``, or ``vars(args)``).
+
+    slimdp-local without ``--value-bits`` all-reduces its values; its dense codes travel
+    through the two-stage all-reduce
+    (``--lowbit-collective all_reduce``, the default since it exists): its counted bytes are
+    ``W (P1 + P2) / 2`` per synchronisation, so the ring all-reduce rule gives its link bytes,
+    and its all-to-all + all-gather make ``2 (W-1)`` hops, as a ring all-reduce does. Runs
+    without the key (older results) all-gathered. Other methods: :data:`PATTERN`."""
+    if method == "slimdp-local" and config:
+        if config.get("value_bits") is None:
+            return "allreduce"  # values at a shared index set, or dense values: one all-reduce
+        if config.get("lowbit_collective", "all_gather") == "all_reduce":
+            return "allreduce"
+    return PATTERN[method]
 
 
 @dataclass(frozen=True)
@@ -267,7 +285,7 @@ def probe_link(kind: str, world_size: int, device=None, sizes: Sequence[int] = P
 # ---------------------------------------------------------------------------
 
 def _link_of(result: Dict[str, Any], links: Optional[Dict[str, Dict[str, LinkModel]]], rate: str) -> LinkModel:
-    kind = PATTERN[result["method"]]
+    kind = pattern_of(result["method"], result.get("config"))
     if links is not None and rate in links:
         return links[rate][kind]
     if rate == "loopback":
@@ -292,7 +310,7 @@ def _points(result: Dict[str, Any]) -> List[Tuple[int, float, float]]:
 def run_compute_s(result: Dict[str, Any], ran_on: LinkModel) -> List[Tuple[int, float, float]]:
     """``(step, compute seconds, bytes)`` up to every evaluation of ``result``: its measured train
     time minus the modelled time of its collectives on ``ran_on``, the link it ran on (never below 0)."""
-    kind = PATTERN[result["method"]]
+    kind = pattern_of(result["method"], result.get("config"))
     w = int(result["world_size"])
     per_step = collectives_per_step(result)
     return [(k, max(0.0, t - ran_on.collective_s(kind, b, w, per_step * k)), b) for k, t, b in _points(result)]
@@ -308,7 +326,7 @@ def project_result(result: Dict[str, Any], rate: str, ran_on: LinkModel,
     time of the evaluation that first reached the target (None if none did).
     """
     link = _link_of(result, links, rate)
-    kind = PATTERN[result["method"]]
+    kind = pattern_of(result["method"], result.get("config"))
     w = int(result["world_size"])
     per_step = collectives_per_step(result)
     at = {k: c + link.collective_s(kind, b, w, per_step * k) for k, c, b in run_compute_s(result, ran_on)}

@@ -69,8 +69,8 @@ class ShardPlan:
             pieces = [min(hi, b) - max(lo, a) for a, b in zip(seg_bounds[:-1], seg_bounds[1:])]
             self.plans.append(ChunkPlan([p for p in pieces if p > 0], chunk, device))
         self.code_offset = [_pad4(2 * p.nchunks) for p in self.plans]
-        self.nbytes = max(o + _pad4(-(-p.numel * bits // 8))
-                          for o, p in zip(self.code_offset, self.plans))
+        self.nbytes = max([4] + [o + _pad4(-(-p.numel * bits // 8))  # >= 4: aligned views
+                                 for o, p in zip(self.code_offset, self.plans)])
         self.zeros = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)  # the paddings
 
     def block(self, j: int, scales: torch.Tensor, packed: torch.Tensor) -> List[torch.Tensor]:
