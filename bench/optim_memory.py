@@ -30,6 +30,9 @@ import torch.multiprocessing as mp
 from tabulate import tabulate
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernels import vm_hwm  # noqa: E402  (bench/kernels.py: peak RSS from /proc/self/status)
+
 CONFIGS = {
     "adamw (baseline)": None,
     "dense 2-bit, all_gather, no error feedback (before)": dict(lowbit_collective="all_gather",
@@ -39,14 +42,6 @@ CONFIGS = {
     "dense 2-bit, all_reduce, error feedback, bucket_cap_mb 8": dict(lowbit_collective="all_reduce",
                                                                     bucket_cap_mb=8),
 }
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _kept_bytes(opt) -> int:
@@ -92,9 +87,9 @@ def _worker(rank, world_size, store_dir, cfg, n_params, width, steps, out):
         x = torch.randn(8, width, generator=g)
         model(x).square().mean().backward()
         opt.step()
-    after_train = _peak_rss()
+    after_train = vm_hwm()
     sd = opt.state_dict()
-    after_sd = _peak_rss()
+    after_sd = vm_hwm()
     del sd
     kept = 0 if cfg is None else _kept_bytes(opt)
     dist.barrier()

@@ -44,5 +44,8 @@ def _dense(state, layout, buf, world_size, wire_dtype):
 
 def _segment_max_abs(layout: _Layout, buf: torch.Tensor) -> torch.Tensor:
     """``[S]`` in ``buf``'s dtype: per segment the largest ``|x|`` (NaN if any is NaN,
-    0 for an empty segment); two ops whatever the number of segments."""
-    return torch.segment_reduce(buf.abs(), "max", lengths=layout.lengths(), initial=0)
+    0 for an empty segment), from the segment max and min: a fixed number of ops
+    whatever the number of segments, and no temporary of ``buf``'s size."""
+    hi = torch.segment_reduce(buf, "max", lengths=layout.lengths(), initial=0)
+    lo = torch.segment_reduce(buf, "min", lengths=layout.lengths(), initial=0)
+    return torch.maximum(hi, lo.neg_())  # NaN propagates

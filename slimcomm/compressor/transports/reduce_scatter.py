@@ -17,6 +17,7 @@ import torch
 
 from ... import _comm, ops
 from ...codec import ChunkPlan
+from .dense import _segment_max_abs
 
 
 def _pad4(n: int) -> int:
@@ -96,11 +97,8 @@ def _plan(state, layout, world_size: int) -> ShardPlan:
 
 
 def _segment_flags(layout, buf: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[S]`` per segment of ``buf``: NaN if non-finite, 1 if nonzero, else 0
-    (from the segment max and min, so no temporary of ``buf``'s size)."""
-    hi = torch.segment_reduce(buf, "max", lengths=layout.lengths(), initial=0)
-    lo = torch.segment_reduce(buf, "min", lengths=layout.lengths(), initial=0)
-    m = torch.maximum(hi, lo.neg_())  # max |x| (NaN propagates)
+    """fp32 ``[S]`` per segment of ``buf``: NaN if non-finite, 1 if nonzero, else 0."""
+    m = _segment_max_abs(layout, buf)
     return m.mul(0).add_(m > 0)  # 0 * inf and 0 * NaN are NaN
 
 
@@ -176,7 +174,6 @@ def _reduce_scatter_codes(state, layout, buf, world_size, step, deferred=False):
     block = torch.cat([flags.view(torch.uint8)] + plan.block(rank, scales, packed))
     gathered = torch.empty(W * (4 * S + P), dtype=torch.uint8, device=buf.device)
     fut = _comm.all_gather(gathered, block, state.group, state._timeout).get_future()
-    counter = state._dev_count(buf.device)
 
     def decode(out: torch.Tensor) -> torch.Tensor:
         g = gathered.view(W, 4 * S + P)
@@ -184,7 +181,7 @@ def _reduce_scatter_codes(state, layout, buf, world_size, step, deferred=False):
             out[lo:hi].copy_(plan.decode(j, g[j:j + 1, 4 * S:], bits, 1.0))
         bad = g[:, :4 * S].view(torch.float32).sum(0).isnan()  # flags are 0, 1 or NaN
         out.masked_fill_(layout.expand(bad), float("nan"))
-        counter[:1].add_(bad.sum())
+        state._note_nonfinite(bad.sum())
         return out
 
     def done(f):
