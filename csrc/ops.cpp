@@ -82,7 +82,7 @@ TORCH_LIBRARY(slimcomm, m) {
   m.def("step_commit(Tensor(a!) buf, Tensor indices, Tensor offsets, Tensor avg, "
         "Tensor(b!) counter, Tensor(c!)? G=None, Tensor(d!)? acc=None, Tensor? residual=None, "
         "Tensor? scale=None, bool keep_all_zero=False, bool return_old_g=False, "
-        "Tensor? void_in=None) -> (Tensor, Tensor)");
+        "Tensor? void_in=None, bool write_buf=True) -> (Tensor, Tensor)");
   m.def("step_commit_local(Tensor(a!) buf, Tensor all_indices, Tensor all_values, "
         "Tensor offsets, int world_size, Tensor(b!) counter, Tensor(c!)? acc=None, "
         "Tensor? residual=None, bool keep_all_zero=False, Tensor? void_in=None) -> Tensor");

@@ -82,7 +82,7 @@ def _(buf, indices, offsets, world_size, wire_dtype, acc=None, residual=None, sc
 
 @torch.library.register_fake("slimcomm::step_commit")
 def _(buf, indices, offsets, avg, counter, G=None, acc=None, residual=None, scale=None,
-      keep_all_zero=False, return_old_g=False, void_in=None):
+      keep_all_zero=False, return_old_g=False, void_in=None, write_buf=True):
     k = indices.shape[0] if return_old_g else 0
     return buf.new_empty((k,), dtype=torch.float32), buf.new_empty((), dtype=torch.bool)
 

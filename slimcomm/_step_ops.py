@@ -107,6 +107,7 @@ def step_commit(
     keep_all_zero: bool = False,
     return_old_g: bool = False,
     void_in: Optional[torch.Tensor] = None,
+    write_buf: bool = True,
 ) -> tuple:
     """Apply the summed payload of :func:`step_encode` (shared index set), in one op.
 
@@ -124,6 +125,11 @@ def step_commit(
       good.
     * ``counter[0] += number of bad segments``.
 
+    With ``write_buf=False`` ``buf`` is not written (it still gives ``N`` and the
+    dtype the values are checked in): the state half of a commit, whose bucket
+    half a later call with ``G``, ``acc`` and ``residual`` left out writes (the
+    one-step delayed update of the DDP hook, ``delay_steps=1``).
+
     Args:
         buf: 1-D ``[N]`` fp32/fp16/bf16, contiguous, overwritten.
         indices: 1-D int64 ``[k]`` (any order, unique).
@@ -136,6 +142,7 @@ def step_commit(
         keep_all_zero: the policy above.
         return_old_g: return ``G[indices]`` as it was before (needs ``G``).
         void_in: bool one-element tensor or None, ORed into the result.
+        write_buf: write ``buf`` (default) or leave it untouched.
 
     Returns:
         ``(old_g, void)``: fp32 ``[k]`` (``[0]`` unless ``return_old_g``) and a
@@ -148,7 +155,7 @@ def step_commit(
             names the argument.
     """
     return _ops.step_commit(buf, indices, offsets, avg, counter, G, acc, residual, scale,
-                            keep_all_zero, return_old_g, void_in)
+                            keep_all_zero, return_old_g, void_in, write_buf)
 
 
 def step_commit_local(

@@ -131,6 +131,17 @@ class SlimDPState(SlimDPCompressor):
       a host sync, keeps the new core set identical on every rank: where the
       ranks' weights differ (DDP ``join()`` with uneven inputs: a joined rank
       stops stepping its optimizer), every rank keeps its previous core set.
+    * ``delay_steps`` (default 0): 1 applies each step's averaged values one
+      step later. The hook then starts the all-reduce of step ``t`` and hands
+      DDP, at once, the average of step ``t - 1`` (zeros at the first
+      compressed step), so the collective runs during the optimizer step and
+      the next forward and backward instead of blocking backward: on a slow
+      or high-latency link the step no longer waits for the network. The
+      gradient the optimizer applies is one step stale (error feedback is
+      unchanged). A non-finite step is then not undone for every parameter
+      (the bad parameters keep their residual and ``G`` and come back NaN one
+      step later), and a GradScaler cannot be attached. See
+      :mod:`slimcomm.compressor.transports.delayed`.
     * ``model`` (default ``None``): shortcut for :meth:`attach`.
 
     State (per parameter, keyed by its position in ``model.parameters()``):
@@ -178,6 +189,7 @@ class SlimDPState(SlimDPCompressor):
     __slots__ = ()
     _KEEP_ALL_ZERO = True          # DDP discards the result of a parameter no rank used
     _VOID_NONFINITE_STEP = True    # a GradScaler skips the whole step
+    _DELAY_OK = True               # delay_steps=1: the average handed to DDP one step later
     _MIN_WARMUP = 1
     # The hook sends float values (value_dtype); low-bit codes are SlimDPOptimizer's.
     _HYPERPARAMETERS = tuple(h for h in SlimDPCompressor._HYPERPARAMETERS
@@ -199,12 +211,14 @@ class SlimDPState(SlimDPCompressor):
         check_agreement_every: int = 100,
         model: Optional[nn.Module] = None,
         error_decay: float = 1.0,
+        delay_steps: int = 0,
     ):
         super().__init__(
             process_group=process_group, core_ratio=core_ratio, explore_ratio=explore_ratio,
             core_refresh=core_refresh, warmup_steps=warmup_steps, score=score,
             index_mode=index_mode, error_feedback=error_feedback, error_decay=error_decay,
-            value_dtype=value_dtype, seed=seed, check_agreement_every=check_agreement_every)
+            value_dtype=value_dtype, seed=seed, check_agreement_every=check_agreement_every,
+            delay_steps=delay_steps)
         if model is not None:
             self.attach(model)
 
@@ -290,7 +304,8 @@ def slim_dp_hook(state: SlimDPState, bucket: dist.GradBucket) -> torch.futures.F
 
     Returns:
         a future of the averaged bucket ``[N]`` (the bucket buffer, written in
-        place): the dense average during warm-up and for buckets whose
+        place; with ``delay_steps=1`` already completed and holding the previous
+        step's average): the dense average during warm-up and for buckets whose
         parameters are all dense (bit-identical to DDP's default hook; in
         ``index_mode="local"`` summed in fp32 in rank order like a dense
         parameter in a mixed bucket); otherwise zeros except the averaged values at the bucket's index set.

@@ -272,7 +272,10 @@ def _decide(fl, fin, keep_all_zero):
 
 
 def step_commit(buf, indices, offsets, avg, counter, G=None, acc=None, residual=None,
-                scale=None, keep_all_zero=False, return_old_g=False, void_in=None):
+                scale=None, keep_all_zero=False, return_old_g=False, void_in=None, write_buf=True):
+    if not write_buf:  # the same on a copy, thrown away
+        return step_commit(buf.clone(), indices, offsets, avg, counter, G, acc, residual, scale,
+                           keep_all_zero, return_old_g, void_in)
     k = indices.numel()
     n = buf.numel()
     vals, fl = avg[:k], avg[k:].float()

@@ -52,8 +52,10 @@ def _hook_counts(rank, world_size, nparams, mode, steps=8, refresh=4):
     torch.manual_seed(0)
     model = make_model(nparams)
     ddp = DDP(model, bucket_cap_mb=64)
+    delayed = mode == "delayed"  # delay_steps=1: the shared mode, applied one step later
     state = SlimDPState(core_ratio=0.2, explore_ratio=0.1, core_refresh=refresh,
-                        warmup_steps=2, index_mode=mode)
+                        warmup_steps=2, index_mode="shared" if delayed else mode,
+                        delay_steps=int(delayed))
     state.attach(ddp)
     rows = []
     counter = OpCounter()
@@ -141,7 +143,7 @@ def _check(results, warmup, refresh, budget=BUDGET, refresh_budget=REFRESH_BUDGE
     return per
 
 
-@pytest.mark.parametrize("mode", ["shared", "local"])
+@pytest.mark.parametrize("mode", ["shared", "local", "delayed"])
 def test_hook_step_has_no_host_sync_and_constant_ops(mode):
     results = {n: run_workers(_hook_counts, 2, n, mode, timeout=300)[0] for n in SIZES}
     _check(results, warmup=2, refresh=4)

@@ -335,3 +335,28 @@ def test_step_encode_commit_round_trip_property(case, bdt, wdt, keep_all_zero, c
         outs.append((wire, acc, b, G, cnt, old, void))
     for name, x, y in zip(("wire", "acc", "buf", "G", "counter", "old_g", "void"), *outs):
         _same(x, y, name)
+
+
+@pytest.mark.parametrize("bdt,wdt", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("pattern", ["random", "nonfinite"])
+def test_step_commit_state_half_leaves_buf_and_bucket_half_completes_it(bdt, wdt, pattern):
+    """write_buf=False commits G, acc and the counter exactly as the full op and leaves buf;
+    a second call without state then writes buf exactly as the full op (delay_steps=1)."""
+    rng = np.random.default_rng(11)
+    offsets, idx, avg, n = _commit_case(bdt, wdt, pattern, rng)
+    buf0 = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(bdt)
+    G0 = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    acc0 = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    res0 = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    full = [buf0.clone(), G0.clone(), acc0.clone(), torch.zeros(2, dtype=torch.int64)]
+    ops.step_commit(full[0], idx, offsets, avg, full[3], G=full[1], acc=full[2], residual=res0,
+                    keep_all_zero=True)
+    for impl in (ops.step_commit, ref.step_commit):
+        buf, G, acc, cnt = buf0.clone(), G0.clone(), acc0.clone(), torch.zeros(2, dtype=torch.int64)
+        impl(buf, idx, offsets, avg, cnt, G=G, acc=acc, residual=res0, keep_all_zero=True,
+             write_buf=False)
+        _same(buf, buf0, "buf untouched")
+        for name, a, b in (("G", G, full[1]), ("acc", acc, full[2]), ("counter", cnt, full[3])):
+            _same(a, b, name)
+        impl(buf, idx, offsets, avg, torch.zeros(2, dtype=torch.int64), keep_all_zero=True)
+        _same(buf, full[0], "buf")

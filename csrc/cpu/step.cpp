@@ -205,13 +205,13 @@ void check_acc_residual(const char* op, const OptTensor& acc, const OptTensor& r
 }
 
 // buf/acc over every element by segment: buf = fill where not keep (zero_kept: 0 where
-// keep), acc = residual where not good.
+// keep), acc = residual where not good. pb null: buf is not written.
 template <typename T>
 void apply_segments(T* pb, float* acc, const float* res, const int64_t* o, int64_t S, int64_t N,
                     const std::vector<int>& dec, const std::vector<T>& fill, bool zero_kept) {
   for_each_segment_range(o, S, N, [&](int64_t s, int64_t lo, int64_t hi) {
     const bool keep = dec[s] & 1, good = dec[s] & 2;
-    if (!keep || zero_kept) {
+    if (pb && (!keep || zero_kept)) {
       const T v = keep ? static_cast<T>(0.f) : fill[s];
       for (int64_t e = lo; e < hi; ++e) pb[e] = v;
     }
@@ -246,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cpu(
     const at::Tensor& buf, const at::Tensor& indices, const at::Tensor& offsets,
     const at::Tensor& avg, at::Tensor& counter, const OptTensor& G, const OptTensor& acc,
     const OptTensor& residual, const OptTensor& scale, bool keep_all_zero, bool return_old_g,
-    const OptTensor& void_in) {
+    const OptTensor& void_in, bool write_buf) {
   const char* op = "step_commit";
   check_values(op, "buf", buf);
   SLIMCOMM_CHECK(buf.is_contiguous(), op, "buf", "must be contiguous");
@@ -280,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cpu(
   int64_t bad = 0;
   dispatch_value(buf.scalar_type(), [&](auto* btag) {
     using T = std::remove_pointer_t<decltype(btag)>;
-    T* pb = buf.data_ptr<T>();
+    T* pb = write_buf ? buf.data_ptr<T>() : nullptr;
     dispatch_value(av.scalar_type(), [&](auto* wtag) {
       using W = std::remove_pointer_t<decltype(wtag)>;
       const W* pa = av.data_ptr<W>();
@@ -301,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cpu(
         for (int64_t j = a; j < b; ++j) {
           const int64_t i = pi[j];
           const int d = dec[seg[j]];
-          if (d & 1) pb[i] = static_cast<T>(pa[j]);
+          if (pb && (d & 1)) pb[i] = static_cast<T>(pa[j]);
           if (pg) {
             const float old = pg[i];
             if (pold) pold[j] = old;

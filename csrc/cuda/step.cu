@@ -267,8 +267,8 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// Every element by segment: buf = fill where not keep (zero_kept: 0 where keep);
-// acc = residual where not good.
+// Every element by segment: buf = fill where not keep (zero_kept: 0 where keep; buf null:
+// not written); acc = residual where not good.
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     apply_kernel(T* __restrict__ buf, float* __restrict__ acc, const float* __restrict__ res,
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kBlock)
   for (int64_t s = blockIdx.y; s < S; s += gridDim.y) {
     const int d = dec[s];
     const bool keep = d & 1, good = d & 2;
-    const bool write_buf = !keep || zero_kept;
+    const bool write_buf = buf != nullptr && (!keep || zero_kept);
     const bool write_acc = acc != nullptr && !good;
     if (!write_buf && !write_acc) continue;
     const T v = keep ? static_cast<T>(0.f) : static_cast<T>(fill[s]);
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kBlock)
        j += static_cast<int64_t>(gridDim.x) * kBlock) {
     const int64_t i = idx[j];
     const int d = dec[segment_of(o, S, i)];
-    if (d & 1) buf[i] = static_cast<T>(avg[j]);
+    if (buf && (d & 1)) buf[i] = static_cast<T>(avg[j]);
     if (G) {
       const float old = G[i];
       if (old_g) old_g[j] = old;
@@ -352,7 +352,7 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cuda(
     const at::Tensor& buf, const at::Tensor& indices, const at::Tensor& offsets,
     const at::Tensor& avg, at::Tensor& counter, const OptTensor& G, const OptTensor& acc,
     const OptTensor& residual, const OptTensor& scale, bool keep_all_zero, bool return_old_g,
-    const OptTensor& void_in) {
+    const OptTensor& void_in, bool write_buf) {
   const char* op = "step_commit";
   check_values(op, "buf", buf);
   SLIMCOMM_CHECK(buf.is_contiguous(), op, "buf", "must be contiguous");
@@ -382,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cuda(
   at::Tensor void_out;
   dispatch_value(buf.scalar_type(), [&](auto* btag) {
     using T = std::remove_pointer_t<decltype(btag)>;
-    T* pb = buf.data_ptr<T>();
+    T* pb = write_buf ? buf.data_ptr<T>() : nullptr;
     dispatch_value(av.scalar_type(), [&](auto* wtag) {
       using W = std::remove_pointer_t<decltype(wtag)>;
       const W* pa = av.data_ptr<W>();

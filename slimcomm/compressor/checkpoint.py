@@ -93,11 +93,19 @@ class _CheckpointMixin:
             residual), and ``params``: ``{position: {"name", "numel",
             "residual" (fp32 [numel] or None), "G" (fp32 [numel], or None for a
             parameter in a group of dense parameters, which selects nothing), "core"
-            (int64 parameter-local indices, or None)}}``. Tensors are clones
+            (int64 parameter-local indices, or None), and with ``delay_steps=1``
+            "delayed_result" (the averaged gradient of the last step, still to be
+            applied at the next one: ``[numel]`` in the gradient's dtype)}}``; the
+            ``delay_steps``. Saving with ``delay_steps=1`` waits for the all-reduce in
+            flight (no new collective). Tensors are clones
             (``copy=False``: views) on the state's device. No process group, no
             model.
         """
         self._settle()
+        if self.delay_steps:
+            from .transports.delayed import materialize
+            for layout in self._layouts.values():
+                materialize(self, layout)  # waits for the step in flight (collective-free)
 
         def keep(t: torch.Tensor) -> torch.Tensor:
             return t.clone() if copy else t
@@ -119,6 +127,8 @@ class _CheckpointMixin:
                 "G": None if layout.G is None else keep(layout.G[lo:hi]),
                 "core": core,
             }
+            if layout.delayed is not None:
+                params[pos]["delayed_result"] = keep(layout.delayed[1][lo:hi])
         for pos, d in self._loaded.items():
             params[pos] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in d.items()}
         # the owners' residuals of lowbit_collective="all_reduce": one shard per group
@@ -138,6 +148,7 @@ class _CheckpointMixin:
             "score": self.score,
             "index_mode": self.index_mode,
             "error_decay": self.error_decay,
+            "delay_steps": self.delay_steps,
             "stats": self.stats,
             "params": params,
             "server_residuals": [{"positions": list(k), "residual": t} for k, t in server.items()],
@@ -162,7 +173,7 @@ class _CheckpointMixin:
 
         Raises:
             ValueError: unknown ``version``; ``seed``, ratios, ``core_refresh``,
-                ``warmup_steps``, ``score`` or ``index_mode`` differ from this
+                ``warmup_steps``, ``score``, ``index_mode`` or ``delay_steps`` differ from this
                 state's (they determine the index sets); a malformed entry
                 (``step`` not an int >= 0, a core index outside its parameter,
                 tensors of the wrong size or dtype); a parameter entry whose
@@ -189,9 +200,10 @@ class _CheckpointMixin:
         step = state_dict["step"]
         if not _is_int(step) or step < 0:
             raise ValueError(f"state_dict: step must be an int >= 0, got {step!r}")
+        optional = {"error_decay": 1.0, "delay_steps": 0}  # absent from older states
         for key in ("seed", "core_ratio", "explore_ratio", "core_refresh", "warmup_steps",
-                    "score", "index_mode", "error_decay"):
-            saved = state_dict.get(key, 1.0) if key == "error_decay" else state_dict[key]
+                    "score", "index_mode", "error_decay", "delay_steps"):
+            saved = state_dict.get(key, optional[key]) if key in optional else state_dict[key]
             if saved != getattr(self, key):
                 raise ValueError(
                     f"state_dict: {key} was {saved!r} when saved but this state "
@@ -279,7 +291,7 @@ def _check_entry(pos: int, d: Dict[str, Any]) -> None:
         raise ValueError(f"state_dict: parameter {pos} name must be a str, got {name!r}")
     if not _is_int(numel) or numel < 0:
         raise ValueError(f"{what}: numel must be an int >= 0, got {numel!r}")
-    for field in ("G", "residual"):
+    for field in ("G", "residual", "delayed_result"):
         t = d.get(field)
         if t is None:
             continue

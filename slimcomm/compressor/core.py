@@ -14,7 +14,7 @@ from .hyperparameters import _HyperparametersMixin
 from .layout import _Layout, _LayoutsMixin
 from .selection import _SelectionMixin
 from .stats import _StatsMixin, _new_counts, _new_stats
-from .transports import _dense, _local, _quantised, _reduce_scatter_codes, _shared
+from .transports import _delayed, _dense, _local, _quantised, _reduce_scatter_codes, _shared
 
 __all__ = ["SlimDPCompressor"]
 
@@ -48,7 +48,10 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
     the two-stage all-reduce of :mod:`.transports.reduce_scatter`, ``2 (W-1)/W``
     x one rank's code size per rank at any world size, with an owner-side
     residual; used when ``core_ratio == 1``, every tensor sent densely;
-    otherwise codes at sparse index sets are all-gathered).
+    otherwise codes at sparse index sets are all-gathered), ``delay_steps`` (0 or 1; 1
+    only in the DDP hook, :class:`slimcomm.hooks.SlimDPState`: each step's all-reduce is
+    applied one step later, overlapping the next step's computation; see
+    :mod:`.transports.delayed`).
 
     Hyperparameters are fixed at construction: assigning one raises
     ``AttributeError`` (the cached layouts and every rank's index sets depend
@@ -89,6 +92,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         "_hp_value_bits",
         "_hp_quant_chunk",
         "_hp_lowbit_collective",
+        "_hp_delay_steps",
         # internal state
         "step",
         "_positions",   # id(param) -> position in model.parameters()
@@ -135,11 +139,12 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         value_bits: Optional[int] = None,
         quant_chunk: int = 4096,
         lowbit_collective: str = "all_gather",
+        delay_steps: int = 0,
     ):
         self._check_hyperparameters(process_group, core_ratio, explore_ratio, core_refresh,
                                     warmup_steps, score, index_mode, error_feedback,
                                     error_decay, value_dtype, seed, check_agreement_every,
-                                    value_bits, quant_chunk, lowbit_collective)
+                                    value_bits, quant_chunk, lowbit_collective, delay_steps)
         self._hp_process_group = process_group
         self._hp_core_ratio = float(core_ratio)
         self._hp_explore_ratio = float(explore_ratio)
@@ -155,6 +160,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         self._hp_value_bits = value_bits
         self._hp_quant_chunk = quant_chunk
         self._hp_lowbit_collective = lowbit_collective
+        self._hp_delay_steps = delay_steps
         self._server_loaded: Dict[Tuple[int, ...], torch.Tensor] = {}
         self.step = 0
         self._positions: Dict[int, int] = {}
@@ -262,6 +268,8 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         if step < self.warmup_steps:
             return _dense(self, layout, buf, world_size, warmup_dtype or buf.dtype)
         with ops.trusted_indices():  # our own index sets: no host sync for CUDA value checks
+            if self.delay_steps:
+                return _delayed(self, layout, buf, world_size, step, weight)
             if self.value_bits is not None:
                 # only when every tensor is dense in every grouping (core_ratio 1): a dense
                 # tensor beside sparse ones is all-gathered, so the path must not depend on

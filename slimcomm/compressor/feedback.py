@@ -37,11 +37,15 @@ class _FeedbackMixin:
             ``self``.
 
         Raises:
-            ValueError: ``scaler`` is not a GradScaler.
+            ValueError: ``scaler`` is not a GradScaler, or ``delay_steps=1``.
         """
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got "
                              f"{type(scaler).__name__}")
+        if scaler is not None and self.delay_steps:
+            raise ValueError("scaler: a GradScaler cannot be attached with delay_steps=1 (its "
+                             "skip decision would concern the step whose values are still "
+                             "in flight); use delay_steps=0")
         self._scaler = scaler
         return self
 

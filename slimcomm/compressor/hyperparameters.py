@@ -59,7 +59,9 @@ class _HyperparametersMixin:
     _HYPERPARAMETERS = ("core_ratio", "explore_ratio", "core_refresh", "warmup_steps", "score",
                         "index_mode", "error_feedback", "error_decay", "value_dtype", "seed",
                         "check_agreement_every", "value_bits", "quant_chunk",
-                        "lowbit_collective")
+                        "lowbit_collective", "delay_steps")
+    # Subclasses that can apply a step's average one step later (the DDP hook) set this.
+    _DELAY_OK = False
 
     process_group = _Frozen()
     core_ratio = _Frozen()
@@ -76,11 +78,13 @@ class _HyperparametersMixin:
     value_bits = _Frozen()
     quant_chunk = _Frozen()
     lowbit_collective = _Frozen()
+    delay_steps = _Frozen()
 
     def _check_hyperparameters(self, process_group, core_ratio, explore_ratio, core_refresh,
                                warmup_steps, score, index_mode, error_feedback, error_decay,
                                value_dtype, seed, check_agreement_every, value_bits,
-                               quant_chunk, lowbit_collective="all_gather") -> None:
+                               quant_chunk, lowbit_collective="all_gather",
+                               delay_steps=0) -> None:
         """Raise ``ValueError`` naming the first constructor argument out of range."""
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, "
@@ -114,6 +118,14 @@ class _HyperparametersMixin:
             raise ValueError(f"lowbit_collective='all_reduce' is not available in "
                              f"{type(self).__name__} (the DDP hook's per-parameter skip "
                              f"policies need the all-gathered codes); use 'all_gather'")
+        if not _is_int(delay_steps) or delay_steps not in (0, 1):
+            raise ValueError(f"delay_steps must be 0 or 1, got {delay_steps!r}")
+        if delay_steps and not self._DELAY_OK:
+            raise ValueError(f"delay_steps=1 is an option of the DDP comm hook "
+                             f"(slimcomm.hooks.SlimDPState), not of {type(self).__name__}")
+        if delay_steps and (index_mode != "shared" or value_bits is not None):
+            raise ValueError("delay_steps=1 needs index_mode='shared' and float values "
+                             "(value_bits=None)")
         if not _is_int(quant_chunk) or quant_chunk < 1:
             raise ValueError(f"quant_chunk must be an int >= 1, got {quant_chunk!r}")
         if not isinstance(score, str) or score not in ops.SCORES:
@@ -136,4 +148,4 @@ class _HyperparametersMixin:
         return (self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
                 self.score, self.index_mode, self.error_feedback, self.error_decay,
                 str(self.value_dtype), self.seed, self.check_agreement_every, self.value_bits,
-                self.quant_chunk, self.lowbit_collective)
+                self.quant_chunk, self.lowbit_collective, self.delay_steps)

@@ -67,6 +67,7 @@ class _Layout:
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
         "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum", "shards", "server", "_every",
+        "delayed",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -111,6 +112,8 @@ class _Layout:
         # (world_size, int64 arange(N), it repeated world_size times): the index sets of a
         # group of dense parameters in the local index mode, fixed per layout
         self._every = None
+        # delay_steps=1: the step in flight or the bucket-to-be (transports/delayed.py)
+        self.delayed = None
 
     def spare_buf(self) -> torch.Tensor:
         """The fp32 ``[N]`` scratch that the fused step ops write the next residual into
@@ -236,12 +239,17 @@ class _LayoutsMixin:
     def _move_state_into(self, layout: _Layout) -> None:
         """Copy each parameter's residual, G and core into ``layout``'s segments."""
         cores: List[Optional[torch.Tensor]] = []
+        results: List[Tuple[int, int, torch.Tensor]] = []  # delay_steps=1: buckets-to-be
         for s, pos in enumerate(layout.positions):
             lo, hi = layout.seg(s)
             core = None
             if pos in self._slots:
                 old, os_ = self._slots[pos]
                 olo, ohi = old.seg(os_)
+                if old.delayed is not None:
+                    from .transports.delayed import materialize
+                    materialize(self, old)  # G and the residual settled first
+                    results.append((lo, hi, old.delayed[1][olo:ohi]))
                 if layout.G is not None and old.G is not None:
                     layout.G[lo:hi].copy_(old.G[olo:ohi])
                 if layout.residual is not None and old.residual is not None:
@@ -257,10 +265,17 @@ class _LayoutsMixin:
                 core = d.get("core")
                 if core is not None:
                     core = core.to(device=layout.device, dtype=torch.int64)
+                if d.get("delayed_result") is not None:
+                    results.append((lo, hi, d["delayed_result"].reshape(-1)))
             if core is not None and core.numel() != layout.ks[s]:
                 core = None  # sizes changed (new ratios): recompute at the next sparse step
             cores.append(core)
             self._slots[pos] = (layout, s)
+        if results:  # every parameter of a step in flight has one (all were synchronised)
+            out = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
+            for lo, hi, r in results:
+                out[lo:hi].copy_(r)
+            layout.delayed = ("result", out)
         if layout.all_dense:  # every coordinate is sent: no index set to keep (8 B/param)
             return
         if cores and all(c is not None for c in cores):
