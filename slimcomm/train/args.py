@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{', '.join(_projection_rates())}; 'none' turns it off), from its compute time and its "
                         "counted bytes (slimcomm.train.projection); default: 1gbit,100mbit for ranks this command "
                         "spawns, none for externally launched ones (bench/netbench.py measures their link)")
+    g.add_argument("--profile", action="store_true",
+                   help="time the phases of every training step on every rank (forward, backward, the comm "
+                        "hook, the wait for the collectives, the optimizer; slimcomm.train.profile) into the "
+                        "results JSON's 'profile'; CPU only, not for --method ist")
     g.add_argument("--wire-iface", default=None, metavar="IFACE",
                    help="also report the bytes this network interface sent and received (kernel counters) during "
                         "training steps, per rank and per step (bench/netbench.py sets it)")
@@ -282,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 1), default=2,
                    help="dense all-reduce steps first (>= 1: G starts from a dense average)")
     g.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="dtype of values on the wire")
+    g.add_argument("--delay-steps", type=int, choices=(0, 1), default=None,
+                   help="slimdp only: 1 applies each step's all-reduce one step later, so the collective "
+                        "overlaps the next step's computation (SlimDPState(delay_steps=)); default 0")
 
     g = p.add_argument_group("diloco / sparseloco / slimdp-local (slimcomm.optim.SlimDPOptimizer)")
     g.add_argument("--sync-every", type=_positive_int("--sync-every"), default=None,
@@ -583,6 +590,13 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.core_ratio = sync.get("core_ratio", 0.01) if sync else 0.01
     if not given("explore_ratio"):
         args.explore_ratio = sync.get("explore_ratio", 0.01) if sync else 0.01
+    if getattr(args, "profile", False) and (args.method == "ist" or getattr(args, "device", "cpu") != "cpu"):
+        bad("--profile times the steps of the DDP and optimizer-side methods on --device cpu; not --method ist "
+            "or --device cuda")
+    if given("delay_steps") and args.method != "slimdp":
+        bad(f"--delay-steps applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
+    if not given("delay_steps"):
+        args.delay_steps = 0
     if args.method == "ist" and args.grad_clip > 0:
         bad("--grad-clip does not apply to --method ist (ISTTrainer.step runs backward and the optimizer step "
             "itself)")

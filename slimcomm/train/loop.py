@@ -246,6 +246,7 @@ def _train(rank, world_size, args, device, backend):
     if args.link_times and world_size > 1:  # collective: every rank times the same few calls, after training
         probe = train_projection.probe_link(train_projection.pattern_of(args.method, vars(args)),
                                            world_size, device)
+    profile = method.profiler.summary() if method.profiler is not None else None  # collective
     wire_ranks = None
     if wire is not None:  # one small collective after training, outside the counted windows
         wire_ranks = [None] * world_size
@@ -285,6 +286,7 @@ def _train(rank, world_size, args, device, backend):
         "time_to_target": time_to_target,
         "wire": wire_ranks,
         "stats": method.stats(),
+        "profile": profile,
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
                 "threads_per_rank": args.threads},
     }

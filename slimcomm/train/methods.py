@@ -136,6 +136,11 @@ class _Method:
         self.ddp = None
         self.sched = None
         self.sync_optimizer = args.method in SYNC_OPTIMIZER_BUILDERS
+        self.profiler = None
+        if getattr(args, "profile", False):
+            from .profile import StepProfiler
+
+            self.profiler = StepProfiler()
         final_ratio = args.min_lr / args.lr if args.lr_schedule == "cosine" else 1.0
         self._scheduled = args.lr_schedule != "constant" or args.warmup_lr_steps > 0
 
@@ -171,10 +176,18 @@ class _Method:
             self.ddp = DDP(model, device_ids=dev_ids, bucket_cap_mb=args.bucket_cap_mb,
                            gradient_as_bucket_view=True)
             self.forward_model = self.ddp
+            register = self.ddp.register_comm_hook
+            if self.profiler is not None:  # the hook's calls timed (slimcomm.train.profile)
+                def register(state, hook, _reg=self.ddp.register_comm_hook, _p=self.profiler):
+                    return _reg(state, _p.wrap_hook(hook))
+            if m == "ddp" and self.profiler is not None:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                register(None, default_hooks.allreduce_hook)  # DDP's average, as a timed hook
             if m == "fp16":
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-                self.ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                register(None, default_hooks.fp16_compress_hook)
             elif m == "powersgd":
                 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -186,7 +199,7 @@ class _Method:
                     warm_start=True,
                     random_seed=args.seed,
                 )
-                self.ddp.register_comm_hook(self.hook_state, psgd.powerSGD_hook)
+                register(self.hook_state, psgd.powerSGD_hook)
             elif m in ("topk", "slimdp"):
                 from ..hooks import SlimDPState, slim_dp_hook
 
@@ -198,9 +211,10 @@ class _Method:
                     value_dtype=_VALUE_DTYPES[args.value_dtype],
                     seed=args.seed,
                     warmup_steps=args.warmup_steps,
+                    delay_steps=args.delay_steps,
                 )
                 self.hook_state = SlimDPState(**kw).attach(model)
-                self.ddp.register_comm_hook(self.hook_state, slim_dp_hook)
+                register(self.hook_state, slim_dp_hook)
             inner = self.opt = _make_optimizer(self.ddp.parameters(), args)
         if self._scheduled:
             self.sched = torch.optim.lr_scheduler.LambdaLR(inner, factor)
@@ -215,13 +229,22 @@ class _Method:
                 for group in self.trainer.optimizer.param_groups:
                     group["lr"] = lr
             return float(loss), None
+        prof = self.profiler
+        if prof is not None:
+            prof.begin()
         self.opt.zero_grad(set_to_none=True)
         out = self.forward_model(x)
         loss = self.loss_fn(out, y)
+        if prof is not None:
+            prof.mark("forward")
         loss.backward()  # DDP: the comm hook has synchronised the gradient; sync optimizer: local only
+        if prof is not None:
+            prof.mark("backward")
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.opt.step()
+        if prof is not None:
+            prof.mark("optimizer")
         if self.sched is not None:
             self.sched.step()
         correct = int((out.detach().argmax(1) == y).sum()) if self.classify else None

@@ -1,0 +1,50 @@
+"""Issue 31: the training command's ``--profile`` (phases of every step, slimcomm.train.profile)
+and ``--delay-steps`` (the Slim-DP hook applying each all-reduce one step later)."""
+
+import json
+import subprocess
+
+import pytest
+
+import slimcomm.train as T
+from test_train import TINY, _cmd, _env, _no_env, REPO
+
+PHASES = ("forward", "backward_compute", "hook", "wait", "optimizer")
+
+
+@pytest.mark.parametrize("method,extra", [("slimdp", ["--delay-steps", "1"]), ("ddp", []),
+                                          ("diloco", ["--sync-every", "4"])])
+def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
+    p = tmp_path / f"{method}.json"
+    i = TINY.index("--epochs")
+    args = TINY[:i] + TINY[i + 2:]
+    r = subprocess.run(_cmd("--method", method, "--steps", "24", "--world-size", "2", "--profile",
+                            "--link-times", "none", "--out", str(p), *extra, *args),
+                       env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(p.read_text())
+    prof = res["profile"]
+    assert prof["steps"] == 24 and len(prof["ranks"]) == 2
+    for rank in prof["ranks"]:
+        seen = [ph for ph in PHASES if ph in rank]
+        hooked = method != "diloco"
+        assert ("hook" in rank) == hooked and ("wait" in rank) == hooked, rank
+        total = sum(rank[ph] for ph in seen)
+        # the phases are consecutive: only the loop's own bookkeeping is outside them
+        assert 0.9 * rank["step"] <= total <= rank["step"] + 1e-6, rank
+    if method == "slimdp":
+        assert res["config"]["delay_steps"] == 1
+        assert res["stats"]["total"]["bytes_sent"] > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--method", "ddp", "--delay-steps", "1"], "--delay-steps"),
+    (["--method", "topk", "--delay-steps", "0"], "--delay-steps"),
+    (["--method", "ist", "--profile"], "--profile"),
+])
+def test_bad_profile_and_delay_options(argv, needle, monkeypatch, capsys):
+    _no_env(monkeypatch)
+    with pytest.raises(SystemExit) as ei:
+        T.main(argv + ["--dataset", "digits"])
+    err = capsys.readouterr().err + str(ei.value.code)
+    assert needle in err, err
