@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -211,12 +212,17 @@ void apply_segments(T* pb, float* acc, const float* res, const int64_t* o, int64
                     const std::vector<int>& dec, const std::vector<T>& fill, bool zero_kept) {
   for_each_segment_range(o, S, N, [&](int64_t s, int64_t lo, int64_t hi) {
     const bool keep = dec[s] & 1, good = dec[s] & 2;
-    if (pb && (!keep || zero_kept)) {
-      const T v = keep ? static_cast<T>(0.f) : fill[s];
+    if (pb && keep && zero_kept) {
+      // +0 is all-zero bits in fp32/fp16/bf16: memset, whose large fills use streaming
+      // stores (no read of the bucket's old contents), where a store loop would read each
+      // cache line before writing it
+      std::memset(pb + lo, 0, static_cast<size_t>(hi - lo) * sizeof(T));
+    } else if (pb && !keep) {
+      const T v = fill[s];
       for (int64_t e = lo; e < hi; ++e) pb[e] = v;
     }
     if (acc && !good)
-      for (int64_t e = lo; e < hi; ++e) acc[e] = res[e];
+      std::memcpy(acc + lo, res + lo, static_cast<size_t>(hi - lo) * sizeof(float));
   });
 }
 
