@@ -15,7 +15,7 @@ MLP8 = os.path.join(REPO, "bench", "results", "scale", "mlp_8ranks_seeds")
 
 
 def _run(method, world_size=8, steps=480, dense=23_298_088, stats=None, **cfg):
-    config = {"bucket_cap_mb": 25.0, "core_refresh": 10, "local_steps": 10}
+    config = {"bucket_cap_mb": 25.0, "core_refresh": 10, "local_steps": 10, "target_acc": 0.82}
     config.update(cfg)
     evals = [{"step": k, "train_time_s": 0.1 * k, "bytes_sent_per_rank": 1000 * k, "test_acc": 0.8 + k / 10000}
              for k in (120, 240, 480)]
@@ -138,3 +138,68 @@ def test_parse_delays():
     for bad in ("", "0,,1", "x", "-5ms", "10,10ms", "nan"):
         with pytest.raises(ValueError, match="--delays"):
             P.parse_delays(bad)
+
+
+# ---------------------------------------------------------------------------
+# bench/latency_tables.py on the committed 8-rank results
+# ---------------------------------------------------------------------------
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import latency_tables as LT  # noqa: E402
+
+
+def test_latency_tables_at_zero_delay_are_the_netbench_tables():
+    """Delay 0 gives the committed netbench table's median times to 0.85 exactly
+    (bench/results/scale/mlp_8ranks_seeds.md), at the measured and at the projected rate."""
+    res = LT.load_results(MLP8)
+    assert set(res) == {"1gbit", "100mbit"} and set(res["1gbit"]) == {"ddp", "slimdp", "diloco", "sparseloco"}
+    want = {"1gbit": {"ddp": 72.9, "slimdp": 37.6, "diloco": 34.1, "sparseloco": 39.2},
+            "100mbit": {"ddp": 581.5, "slimdp": 55.4, "diloco": 56.3, "sparseloco": 61.3}}
+    for rate, by in res.items():
+        _, targets = LT.resolve_targets(by, "run")
+        rows = LT.latency_rows(by, targets, [0.0, 0.01])
+        for m, t in want[rate].items():
+            assert f"{rows[m]['times'][0]:.1f}" == f"{t:.1f}", (rate, m)
+            # 10 ms: + 0.01 s x hops/step x steps to target, per seed, then the median
+            per = [time_to + 0.01 * P.hops_per_step(r) * r["time_to_target"]["step"]
+                   for r, time_to in zip(by[m], [r["time_to_target"]["train_time_s"] for r in by[m]])]
+            assert rows[m]["times"][1] == pytest.approx(sorted(per)[1], rel=1e-12)
+
+
+def test_latency_tables_compute_limit_and_targets():
+    """A local run gives the compute limit column; --target all is reached by every method."""
+    ddp = [_run("ddp")]
+    loc = _run("local")
+    loc["final"]["train_time_s"] = 0.05 * 480  # 50 ms/step
+    by = {"ddp": ddp, "local": [loc], "diloco": [_run("diloco", sync_every=24)]}
+    md, summary = LT.markdown({"1gbit": by}, [0.0, 0.05], ["run", "all"], "# t", "cmd")
+    # ddp reaches 0.82 at step 240 (its first evaluation at or above it): 240 x 50 ms = 12 s
+    assert "Compute limit (measured in the same run): ddp's 240 steps to the target x local's 50 ms/step = 12.0 s" in md
+    assert "x of the compute limit at 50 ms" in md
+    best = [s for s in summary if s["delay_s"] == 0.05 and "runs' target" in s["target"]][0]
+    assert best["overall"][0] == "diloco" and best["slimcomm"] is None
+    with pytest.raises(ValueError, match="--target"):
+        LT.resolve_targets(by, "bogus")
+
+
+def test_latency_tables_cli_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        LT.main([str(tmp_path / "missing")])
+    assert "is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        LT.main([MLP8, "--delays", "-3ms"])
+    assert "--delays" in capsys.readouterr().err
+    (tmp_path / "1gbit_slimdp.json").write_text(json.dumps(_run("slimdp")))
+    with pytest.raises(SystemExit):
+        LT.main([str(tmp_path)])
+    assert "no ddp run" in capsys.readouterr().err
+
+
+def test_latency_tables_script_writes_markdown(tmp_path):
+    out = tmp_path / "lat.md"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "latency_tables.py"), MLP8,
+                        "--delays", "0,50ms", "--out", str(out)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=REPO))
+    assert r.returncode == 0, r.stderr
+    md = out.read_text()
+    assert "**Projected**" in md and "time to target at 50 ms (s)" in md and "| slimdp " in md
