@@ -46,7 +46,7 @@ if REPO not in sys.path:
 
 from slimcomm.train import projection as P  # noqa: E402
 
-__all__ = ["load_results", "time_to", "resolve_targets", "latency_rows", "markdown", "main"]
+__all__ = ["load_results", "time_to", "resolve_targets", "latency_rows", "intro", "markdown", "main"]
 
 #: methods whose algorithm is slimcomm's own (the rest are baselines and published peers, even where
 #: slimcomm's SlimDPOptimizer runs them: diloco, sparseloco)
@@ -198,34 +198,43 @@ def _ms(d: float) -> str:
     return f"{d * 1e3:g} ms"
 
 
+def intro(world_size: int, command: str) -> List[str]:
+    """The report's opening paragraphs: what is projected and how, and the command."""
+    w = world_size
+    return [
+        f"**Projected** for every delay above 0: the time of each run at delay 0 (its own measured time, or "
+        f"for a rate marked *timed* the netbench projection of a short timed run at that rate) plus, at a "
+        f"one-way delay d per hop (rank to rank), d x (ring hops per step) x steps: {w} ranks, a ring "
+        f"all-reduce pays {P.ring_hops('allreduce', w)} hops, an all-gather {P.ring_hops('allgather', w)}, "
+        f"per collective call (`slimcomm.train.projection.collective_calls`). Scores and bytes are the "
+        f"runs' own (the trajectory does not depend on the link). Time to target = train time (evaluation "
+        f"excluded) at the first evaluation that reaches it; medians over seeds; 'not reached' if any seed "
+        f"never did. Not modelled: TCP windows smaller than the bandwidth-delay product (at 1 Gbit/s and "
+        f"50 ms a full-rate TCP stream needs 6.25 MB in flight), which slows the large messages of ddp and "
+        f"the hook further at high delay.", "",
+        f"'slimcomm method' = {', '.join(SLIMCOMM_METHODS)} (slimcomm's own algorithms); every other method is a "
+        f"peer, diloco and sparseloco included (published algorithms, here run by slimcomm's SlimDPOptimizer); "
+        f"{LIMIT_METHOD} is the no-communication reference.", "",
+        f"Command: `{command}`", ""]
+
+
 def markdown(results: Dict[str, Dict[str, List[Dict]]], delays: Sequence[float], target_specs: Sequence[str],
-             title: str, command: str) -> Tuple[str, List[Dict]]:
-    """The markdown report and its summary rows (``{"rate", "target", "delay_s", "overall",
-    "slimcomm", "peer", "ratio"}``: the best methods at each delay and the best slimcomm method's
-    time over the best peer's)."""
+             title: str, command: Optional[str] = None) -> Tuple[str, List[Dict]]:
+    """The markdown report of one results directory and its summary rows (``{"rate", "target",
+    "delay_s", "overall", "slimcomm", "peer", "ratio"}``: the best methods at each delay and the
+    best slimcomm method's time over the best peer's). ``command``: with it, :func:`intro` comes
+    after ``title``; without, only the tables."""
     from tabulate import tabulate
 
     any_run = next(iter(next(iter(results.values())).values()))[0]
-    w = int(any_run["world_size"])
-    parts = [title, "",
-             f"**Projected** for every delay above 0: the time of each run at delay 0 (its own measured time, or "
-             f"for a rate marked *timed* the netbench projection of a short timed run at that rate) plus, at a "
-             f"one-way delay d per hop (rank to rank), d x (ring hops per step) x steps: {w} ranks, a ring "
-             f"all-reduce pays {P.ring_hops('allreduce', w)} hops, an all-gather {P.ring_hops('allgather', w)}, "
-             f"per collective call (`slimcomm.train.projection.collective_calls`). Scores and bytes are the "
-             f"runs' own (the trajectory does not depend on the link). Time to target = train time (evaluation "
-             f"excluded) at the first evaluation that reaches it; medians over seeds; 'not reached' if any seed "
-             f"never did. Not modelled: TCP windows smaller than the bandwidth-delay product (at 1 Gbit/s and "
-             f"50 ms a full-rate TCP stream needs 6.25 MB in flight), which slows the large messages of ddp and "
-             f"the hook further at high delay.", "",
-             f"Command: `{command}`", ""]
+    parts = [title, ""] + (intro(int(any_run["world_size"]), command) if command is not None else [])
     summary: List[Dict] = []
     for spec in target_specs:
         for rate, by in results.items():
             desc, targets = resolve_targets(by, spec)
             rows = latency_rows(by, targets, delays)
             timed = any(v["projected_rate"] for v in rows.values())
-            parts.append(f"### {rate} per link{' (timed: netbench-projected at delay 0)' if timed else ''}, "
+            parts.append(f"#### {rate} per link{' (timed: netbench-projected at delay 0)' if timed else ''}, "
                          f"target: {desc}")
             parts.append("")
             limit = _limit(rows)
@@ -273,29 +282,37 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], delays: Sequence[float],
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("results_dir", help="a bench/netbench.py JSON directory (<results-dir>/<name>/)")
+    p.add_argument("results_dirs", nargs="+", metavar="results_dir",
+                   help="bench/netbench.py JSON directories (<results-dir>/<name>/), one section each")
     p.add_argument("--delays", default="0,10,50ms", help="one-way delays per hop, comma-separated (ms unless a unit)")
     p.add_argument("--target", action="append", default=None, metavar="T",
                    help="repeatable: run (the runs' --target-acc/--target-loss), ddp (ddp's final score of the "
                         "same seed), all (the loosest score every run reaches) or a number (default: run for "
                         "accuracy, ddp for loss)")
-    p.add_argument("--title", default=None, help="first line of the report (default: from the directory name)")
+    p.add_argument("--title", default=None, help="first line of the report (default: from the directory names)")
     p.add_argument("--out", default=None, help="markdown file to write (default: print only)")
     a = p.parse_args(argv)
+    loaded = []
     try:
         delays = P.parse_delays(a.delays)
-        results = load_results(a.results_dir)
-        any_run = next(iter(next(iter(results.values())).values()))[0]
-        specs = a.target or (["run"] if _metric(any_run)[0] == "test_acc" else ["ddp"])
-        for by in results.values():
-            for spec in specs:
-                resolve_targets(by, spec)
+        for d in a.results_dirs:
+            results = load_results(d)
+            any_run = next(iter(next(iter(results.values())).values()))[0]
+            specs = a.target or (["run"] if _metric(any_run)[0] == "test_acc" else ["ddp"])
+            for by in results.values():
+                for spec in specs:
+                    resolve_targets(by, spec)
+            loaded.append((d, results, specs, int(any_run["world_size"])))
     except ValueError as e:
         p.error(str(e))
-    title = a.title or (f"## Time to target at added one-way link delay (projected): "
-                        f"{os.path.basename(os.path.normpath(a.results_dir))}, {any_run['world_size']} ranks")
+    names = ", ".join(os.path.basename(os.path.normpath(d)) for d in a.results_dirs)
+    title = a.title or f"## Time to target at added one-way link delay (projected): {names}"
     cmd = "bench/latency_tables.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    md, _ = markdown(results, delays, specs, title, cmd)
+    parts = [title, ""] + intro(loaded[0][3], cmd)
+    for d, results, specs, _ in loaded:
+        md, _ = markdown(results, delays, specs, f"### {os.path.relpath(os.path.abspath(d), REPO)}")
+        parts.append(md)
+    md = "\n".join(parts)
     if a.out:
         with open(a.out, "w") as f:
             f.write(md)
