@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -151,21 +152,23 @@ def _median_or_none(xs: Sequence[Optional[float]]) -> Optional[float]:
     return None if not xs or any(x is None for x in xs) else statistics.median(xs)
 
 
-def latency_rows(by_method: Dict[str, List[Dict]], targets: Sequence[float], delays: Sequence[float]
-                 ) -> Dict[str, Dict]:
+def latency_rows(by_method: Dict[str, List[Dict]], targets: Sequence[float], delays: Sequence[float],
+                 current_code: bool = False) -> Dict[str, Dict]:
     """Per method label: ``{"hops_per_step", "steps" (median steps to target or None), "ms_per_step",
     "times": [median time to target at each delay, None if a seed never reaches it],
     "per_seed": [[time per seed] per delay]}``; seed ``i`` of every method is held to ``targets[i]``
-    (methods with fewer seeds: the first ones)."""
+    (methods with fewer seeds: the first ones). ``current_code``: the latency of the collective
+    calls the current code makes with each run's settings
+    (:func:`slimcomm.train.projection.collective_calls`)."""
     out = {}
     for lab, runs in by_method.items():
         tg = list(targets[:len(runs)]) + [targets[0]] * max(0, len(runs) - len(targets))
         per_delay = []
         for d in delays:
-            per_delay.append([time_to(P.delayed_result(r, d), t) for r, t in zip(runs, tg)])
+            per_delay.append([time_to(P.delayed_result(r, d, current_code), t) for r, t in zip(runs, tg)])
         steps = [time_to(r, t, "step") for r, t in zip(runs, tg)]
         out[lab] = {
-            "hops_per_step": statistics.median(P.hops_per_step(r) for r in runs),
+            "hops_per_step": statistics.median(P.hops_per_step(r, current_code) for r in runs),
             "steps": _median_or_none(steps),
             "ms_per_step": statistics.median(1000.0 * r["final"]["train_time_s"] / max(1, r["steps"]) for r in runs),
             "times": [_median_or_none(ts) for ts in per_delay],
@@ -219,7 +222,7 @@ def intro(world_size: int, command: str) -> List[str]:
 
 
 def markdown(results: Dict[str, Dict[str, List[Dict]]], delays: Sequence[float], target_specs: Sequence[str],
-             title: str, command: Optional[str] = None) -> Tuple[str, List[Dict]]:
+             title: str, command: Optional[str] = None, current_code: bool = False) -> Tuple[str, List[Dict]]:
     """The markdown report of one results directory and its summary rows (``{"rate", "target",
     "delay_s", "overall", "slimcomm", "peer", "ratio"}``: the best methods at each delay and the
     best slimcomm method's time over the best peer's). ``command``: with it, :func:`intro` comes
@@ -232,10 +235,10 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], delays: Sequence[float],
     for spec in target_specs:
         for rate, by in results.items():
             desc, targets = resolve_targets(by, spec)
-            rows = latency_rows(by, targets, delays)
+            rows = latency_rows(by, targets, delays, current_code)
             timed = any(v["projected_rate"] for v in rows.values())
             parts.append(f"#### {rate} per link{' (timed: netbench-projected at delay 0)' if timed else ''}, "
-                         f"target: {desc}")
+                         f"target: {desc}{'; calls of the current code' if current_code else ''}")
             parts.append("")
             limit = _limit(rows)
             headers = ["method", "hops/step", "steps to target", "ms/step at 0 ms"]
@@ -267,7 +270,8 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], delays: Sequence[float],
             for i, d in enumerate(delays):
                 win = _winners(rows, i)
                 ratio = (win["slimcomm"][1] / win["peer"][1]) if (win["slimcomm"] and win["peer"]) else None
-                summary.append({"rate": rate, "target": desc, "delay_s": d, **win, "ratio": ratio})
+                summary.append({"rate": rate, "target": desc, "delay_s": d, **win, "ratio": ratio,
+                                "current_code": current_code})
 
                 def fmt(x):
                     return f"{x[0]} {x[1]:.1f} s" if x else "none reaches it"
@@ -289,6 +293,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="repeatable: run (the runs' --target-acc/--target-loss), ddp (ddp's final score of the "
                         "same seed), all (the loosest score every run reaches) or a number (default: run for "
                         "accuracy, ddp for loss)")
+    p.add_argument("--calls", choices=("as-run", "current", "both"), default="as-run",
+                   help="latency of the collective calls each run made (as-run: its recorded counters), of "
+                        "those the current code makes with its settings (current: the per-sync agreement "
+                        "all-reduce, slimdp-local's two-stage all-reduce, where the run predates them), or "
+                        "both tables")
     p.add_argument("--title", default=None, help="first line of the report (default: from the directory names)")
     p.add_argument("--out", default=None, help="markdown file to write (default: print only)")
     a = p.parse_args(argv)
@@ -307,11 +316,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(e))
     names = ", ".join(os.path.basename(os.path.normpath(d)) for d in a.results_dirs)
     title = a.title or f"## Time to target at added one-way link delay (projected): {names}"
-    cmd = "bench/latency_tables.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "bench/latency_tables.py " + shlex.join(list(argv if argv is not None else sys.argv[1:]))
     parts = [title, ""] + intro(loaded[0][3], cmd)
+    modes = {"as-run": [False], "current": [True], "both": [False, True]}[a.calls]
     for d, results, specs, _ in loaded:
-        md, _ = markdown(results, delays, specs, f"### {os.path.relpath(os.path.abspath(d), REPO)}")
-        parts.append(md)
+        for cur in modes:
+            head = f"### {os.path.relpath(os.path.abspath(d), REPO)}" + (
+                ": the collective calls of the current code" if cur else
+                (": the collective calls as run" if len(modes) > 1 else ""))
+            md, _ = markdown(results, delays, specs, head, current_code=cur)
+            parts.append(md)
     md = "\n".join(parts)
     if a.out:
         with open(a.out, "w") as f:

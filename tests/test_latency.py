@@ -46,9 +46,14 @@ HAND = [
     # ... or exactly the checks the run counted (52 in 480 steps)
     ("slimdp", {}, {"total": {"checks": 52}}, 14.0 * (480 + 52) / 480),
     ("ist", {"local_steps": 10}, None, (14.0 + 7.0) / 10),  # agreement all-reduce + all-gather a round
+    # ... as recorded: 48 rounds, 48 agreements (80 bytes each), or none in a run made before them
+    ("ist", {"local_steps": 10}, {"rounds": 48, "check_bytes": 48 * 80}, 48 * (14.0 + 7.0) / 480),
+    ("ist", {"local_steps": 10}, {"rounds": 48}, 48 * 7.0 / 480),
     # DiLoCo: one synchronisation per H = 24 steps: agreement all-reduce + one dense all-reduce
     ("diloco", {"sync_every": 24}, None, 2 * 14.0 / 24),
-    ("diloco", {"sync_every": 24}, {"syncs": 20, "total": {"checks": 0}}, 20 * 2 * 14.0 / 480),
+    # ... as recorded: 20 synchronisations, each with its agreement (20 checks) or none (older run)
+    ("diloco", {"sync_every": 24}, {"syncs": 20, "total": {"checks": 20}}, 20 * 2 * 14.0 / 480),
+    ("diloco", {"sync_every": 24}, {"syncs": 20, "total": {"checks": 0}}, 20 * 14.0 / 480),
     ("sparseloco", {"sync_every": 15}, None, (14.0 + 2 * 7.0) / 15),
     ("slimdp-local", {"sync_every": 3, "value_bits": 2, "lowbit_collective": "all_reduce"}, None,
      (14.0 + 2 * 7.0) / 3),                               # agreement + all-to-all + all-gather
@@ -203,3 +208,18 @@ def test_latency_tables_script_writes_markdown(tmp_path):
     assert r.returncode == 0, r.stderr
     md = out.read_text()
     assert "**Projected**" in md and "time to target at 50 ms (s)" in md and "| slimdp " in md
+
+
+def test_current_code_adds_what_older_runs_did_not_make():
+    """A run made before the per-sync agreement (checks 0) and the two-stage all-reduce (no
+    lowbit_collective in its config): current_code adds one 14-hop agreement per synchronisation
+    and counts the 2-bit codes as all-to-all + all-gather (14 hops instead of 7)."""
+    old = _run("slimdp-local", sync_every=3, value_bits=2, stats={"syncs": 160, "total": {"checks": 0}})
+    assert P.hops_per_step(old) == pytest.approx(160 * 7.0 / 480)
+    assert P.hops_per_step(old, current_code=True) == pytest.approx(160 * (14.0 + 14.0) / 480)
+    new = _run("diloco", sync_every=24, stats={"syncs": 20, "total": {"checks": 20}})
+    assert P.hops_per_step(new, current_code=True) == P.hops_per_step(new)  # already counted
+    ist = _run("ist", stats={"rounds": 48})
+    assert P.hops_per_step(ist, current_code=True) == pytest.approx(48 * 21.0 / 480)
+    assert P.hops_per_step(_run("slimdp", stats={"total": {"checks": 52}}), current_code=True) == \
+        P.hops_per_step(_run("slimdp", stats={"total": {"checks": 52}}))

@@ -216,7 +216,7 @@ def _buckets(run: Dict) -> int:
     return max(1, math.ceil(float(run["dense_bytes_per_step"]) / cap))
 
 
-def collective_calls(run: Dict) -> Dict[str, float]:
+def collective_calls(run: Dict, current_code: bool = False) -> Dict[str, float]:
     """Collective calls one training step issues, per latency class, amortised over the run.
 
     Returns ``{"allreduce": n, "allgather": m}``: ``n`` calls paying a ring all-reduce's
@@ -230,17 +230,27 @@ def collective_calls(run: Dict) -> Dict[str, float]:
     * slimdp (hook): ``B`` all-reduces plus its small checksum all-reduces (64-96 bytes; one per
       bucket at every core refresh and every 100th compressed step): the run's counted
       ``stats["total"]["checks"]`` when recorded, else ``B (1/core_refresh + 1/100)``;
-    * ist: per round of ``local_steps``: one agreement all-reduce and one all-gather (+ one
-      all-reduce of the shared neurons with ``ist_shared`` > 0);
+    * ist: per round (``stats["rounds"]`` when recorded, else one per ``local_steps``): one
+      all-gather, one agreement all-reduce (counted from ``stats["check_bytes"]``, 80 bytes a
+      round, when the run has stats: runs made before the agreement existed have none), + one
+      all-reduce of the shared neurons with ``ist_shared`` > 0;
     * diloco, sparseloco, slimdp-local (SlimDPOptimizer), per synchronisation (``stats["syncs"]``
-      when recorded, else one per ``sync_every`` steps): one agreement all-reduce of 5 counters,
-      then per group ``B`` all-reduces (dense values, ``diloco``; shared index sets, slimdp-local
-      without ``value_bits``, + its checksum all-reduces), ``2 B`` all-gathers (sparseloco:
-      indices and values), or for 2-bit codes ``2 B`` all-gather-class calls (all-to-all + all-gather,
-      ``lowbit_collective="all_reduce"``) or ``B`` all-gathers (``"all_gather"``);
+      when recorded, else one per ``sync_every`` steps): per group ``B`` all-reduces (dense
+      values, ``diloco``; shared index sets, slimdp-local without ``value_bits``), ``2 B``
+      all-gathers (sparseloco: indices and values), or for 2-bit codes ``2 B`` all-gather-class
+      calls (all-to-all + all-gather, ``lowbit_collective="all_reduce"``) or ``B`` all-gathers
+      (``"all_gather"``); plus the small all-reduces the run counted in
+      ``stats["total"]["checks"]`` (the 80-byte agreement that starts every synchronisation in
+      the current code, index-set checks, core refreshes), or without stats one agreement per
+      synchronisation;
     * local (no communication): none.
 
     The warm-up steps (a dense all-reduce instead) are not told apart.
+
+    ``current_code=True``: the calls the current code would make with the run's settings where the
+    run was made by older code: one agreement all-reduce per synchronisation / IST round where
+    the run recorded fewer, and slimdp-local's 2-bit codes through the two-stage all-reduce
+    (all-to-all + all-gather) where the run's config predates ``lowbit_collective``.
 
     Raises:
         ValueError: an unknown method.
@@ -262,36 +272,48 @@ def collective_calls(run: Dict) -> Dict[str, float]:
         small = (checks / steps if checks is not None
                  else b * (1.0 / max(1, cfg.get("core_refresh") or 10) + 1.0 / _CHECK_EVERY))
         return {"allreduce": b + small, "allgather": 0.0}
+    stats = run.get("stats") if isinstance(run.get("stats"), dict) else None
     if m == "ist":
-        per = 1.0 / max(1, cfg.get("local_steps") or 1)
+        rounds = (stats or {}).get("rounds")
+        per = rounds / steps if rounds is not None else 1.0 / max(1, cfg.get("local_steps") or 1)
         shared = 1.0 if (cfg.get("ist_shared") or 0) > 0 else 0.0
-        return {"allreduce": per * (1.0 + shared), "allgather": per}
+        if stats is None:
+            agree = per  # the current code: one agreement all-reduce a round
+        else:  # what the run recorded (80 bytes a round; runs made before the agreement have none)
+            agree = (stats.get("check_bytes") or 0) / 80.0 / steps
+            if current_code and agree < per:
+                agree = per
+        return {"allreduce": per * shared + agree, "allgather": per}
     if m in ("diloco", "sparseloco", "slimdp-local"):
-        stats = run.get("stats") if isinstance(run.get("stats"), dict) else {}
-        syncs = stats.get("syncs")
+        syncs = (stats or {}).get("syncs")
         per = (syncs / steps) if syncs is not None else 1.0 / max(1, cfg.get("sync_every") or 1)
-        ar, ag = 1.0, 0.0  # the agreement all-reduce
+        ar, ag = 0.0, 0.0
         if m == "diloco":
             ar += b
         elif m == "sparseloco":
             ag += 2 * b
         elif cfg.get("value_bits") is None:
             ar += b
-        elif cfg.get("lowbit_collective", "all_gather") == "all_reduce":
+        elif cfg.get("lowbit_collective", "all_reduce" if current_code else "all_gather") == "all_reduce":
             ag += 2 * b
         else:
             ag += b
-        extra = (checks / steps) if (checks and syncs is not None) else 0.0
-        return {"allreduce": per * ar + extra, "allgather": per * ag}
+        # small all-reduces: the agreement at every synchronisation (+ index-set checks and core
+        # refreshes in shared mode), as the run counted them in stats["total"]["checks"] (runs made
+        # before the agreement existed count none); without stats, the current code's one agreement
+        small = checks / steps if checks is not None else per
+        if current_code and checks is not None and checks < per * steps:
+            small += per  # a run made before the per-sync agreement: add it
+        return {"allreduce": per * ar + small, "allgather": per * ag}
     raise ValueError(f"method: unknown {m!r}; expected one of {', '.join(sorted(PATTERN))}")
 
 
-def hops_per_step(run: Dict) -> float:
+def hops_per_step(run: Dict, current_code: bool = False) -> float:
     """Ring hops of latency one training step pays (amortised): :func:`collective_calls`
     weighted by :func:`ring_hops`. An added one-way delay ``d`` per hop adds ``d *
     hops_per_step(run)`` seconds to every step."""
     w = int(run["world_size"])
-    return sum(n * ring_hops(k, w) for k, n in collective_calls(run).items())
+    return sum(n * ring_hops(k, w) for k, n in collective_calls(run, current_code).items())
 
 
 def collectives_per_step(run: Dict) -> float:
@@ -314,21 +336,22 @@ def delay_s_at(run: Dict, step: float, delay_s: float) -> float:
     return delay_s * hops_per_step(run) * step
 
 
-def delayed_result(result: Dict[str, Any], delay_s: float) -> Dict[str, Any]:
+def delayed_result(result: Dict[str, Any], delay_s: float, current_code: bool = False) -> Dict[str, Any]:
     """A copy of ``result`` as if every link had ``delay_s`` seconds more one-way delay per hop.
 
     Every training time (each evaluation's, ``final``'s and ``time_to_target``'s) grows by
     :func:`delay_s_at` at its step; bytes and scores stay. The times of ``result`` are the
     run's own (measured, or projected by ``bench/netbench_projection.py``) at delay 0; the copy
-    records ``"delay": {"one_way_s", "source": "projected"}``. ``delay_s == 0`` returns the
-    same times exactly.
+    records ``"delay": {"one_way_s", "hops_per_step", "source"}``. ``delay_s == 0`` returns the
+    same times exactly. ``current_code``: count the calls the current code makes
+    (:func:`collective_calls`).
 
     Raises:
         ValueError: ``delay_s`` negative or not finite; an unknown method.
     """
     if not (math.isfinite(delay_s) and delay_s >= 0):
         raise ValueError(f"delay_s: expected a finite number of seconds >= 0, got {delay_s!r}")
-    hps = hops_per_step(result)
+    hps = hops_per_step(result, current_code)
     r = copy.deepcopy(result)
     for e in r.get("evals") or []:
         e["train_time_s"] = e["train_time_s"] + delay_s * hps * e["step"]
