@@ -29,6 +29,14 @@ the all-reduce's goodput there). ``tests/test_train_projection.py`` checks the
 constants against that file and the projection against the committed measured
 2-rank netbench runs.
 
+Latency: every collective call pays :func:`ring_hops` hops (``2 (W-1)`` for a ring all-reduce,
+``W-1`` for an all-gather) of ``alpha_s`` each; :func:`collective_calls` counts a method's calls
+per step (DDP's buckets, the Slim-DP hook's checksum all-reduces, the local-step methods' value
+collectives and agreement all-reduce per synchronisation). A one-way delay ``d`` between two
+ranks adds ``d`` to every hop (:meth:`LinkModel.with_delay`, ``project_result(..., delay_s=d)``),
+i.e. ``d * hops_per_step * steps`` to a run's time (:func:`delayed_result`, which
+``bench/latency_tables.py`` applies to netbench results); delay 0 leaves every number as it was.
+
 Known artefact: the 100 Mbit/s fits give no per-hop latency (small messages
 beat the large-message line there) and the 1 Gbit/s ones 0.7-0.8 ms, so on a
 payload of a few KB per step the projected 1 Gbit/s time exceeds the
