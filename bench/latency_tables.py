@@ -42,9 +42,11 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _p in (REPO, os.path.join(REPO, "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
+from netbench import parse_rate  # noqa: E402
 from slimcomm.train import projection as P  # noqa: E402
 
 __all__ = ["load_results", "time_to", "resolve_targets", "latency_rows", "intro", "markdown", "main"]
@@ -87,9 +89,8 @@ def load_results(results_dir: str) -> Dict[str, Dict[str, List[Dict]]]:
     for rate, by in res.items():
         if "ddp" not in by:
             raise ValueError(f"results_dir: no ddp run at {rate} in {results_dir!r} (the tables compare with it)")
-    # the faster rate first (the trajectory one)
-    from netbench import parse_rate  # noqa: E402  (bench/ is on sys.path below)
-
+    # the faster rate first (the trajectory one); ddp first within a rate
+    res = {rate: dict(sorted(by.items(), key=lambda kv: (kv[0] != "ddp", kv[0]))) for rate, by in res.items()}
     return dict(sorted(res.items(), key=lambda kv: -parse_rate(kv[0])))
 
 
@@ -335,8 +336,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[latency_tables] wrote {a.out}")
     return 0
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 if __name__ == "__main__":
     sys.exit(main())
