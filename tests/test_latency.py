@@ -223,3 +223,20 @@ def test_current_code_adds_what_older_runs_did_not_make():
     assert P.hops_per_step(ist, current_code=True) == pytest.approx(48 * 21.0 / 480)
     assert P.hops_per_step(_run("slimdp", stats={"total": {"checks": 52}}), current_code=True) == \
         P.hops_per_step(_run("slimdp", stats={"total": {"checks": 52}}))
+
+
+def test_swap_sync_estimate_is_the_reference_for_the_same_run():
+    """A run estimated from itself as reference: its own time; the codec cost adds syncs x codec_s;
+    a delay adds d x hops x steps to both."""
+    import latency_swap_sync as S
+
+    ref = _run("diloco", sync_every=24)
+    run = json.loads(json.dumps(ref))
+    est = S.estimate(run, ref, "1gbit", [0.0, 0.05], codec_s=0.0)
+    assert est["run"][0] == pytest.approx(24.0, rel=1e-12) and est["ref"][0] == 24.0
+    assert est["run"][1] - est["run"][0] == pytest.approx(0.05 * P.hops_per_step(run) * 240, rel=1e-12)
+    assert est["run"][1] == pytest.approx(est["ref"][1], rel=1e-12)
+    with_codec = S.estimate(run, ref, "1gbit", [0.0], codec_s=1.0)
+    assert with_codec["run"][0] == pytest.approx(24.0 + 240 // 24, rel=1e-12)
+    with pytest.raises(ValueError, match="rate"):
+        S.estimate(run, ref, "10gbit", [0.0])
