@@ -78,7 +78,7 @@ def estimate(run: Dict, ref: Dict, rate: str, delays: Sequence[float], codec_s: 
             continue
         k = int(t["step"])
         kinds = {}
-        for name, r, b in (("ref", ref, _at(ref, k, "bytes_sent_per_rank")), ("run", run, float(t["bytes_sent_per_rank"]))):
+        for name, r, b in (("ref", ref, _at(ref, k, "bytes_sent_per_rank")), ("run", run, _at(run, k, "bytes_sent_per_rank"))):
             kind = P.pattern_of(r["method"], r.get("config"))
             link = P.EMULATED_LINKS[rate][kind]
             kinds[name] = link.collective_s(kind, b, w, P.collectives_per_step(r) * k)
