@@ -244,7 +244,7 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], delays: Sequence[float],
             limit = _limit(rows)
             headers = ["method", "hops/step", "steps to target", "ms/step at 0 ms"]
             for d in delays:
-                headers += [f"time to target at {_ms(d)} (s)", f"vs ddp at {_ms(d)}"]
+                headers += [f"time to target at {_ms(d)} (s)", f"speed-up vs ddp at {_ms(d)}"]
             if limit is not None:
                 headers += ["x of the compute limit at " + _ms(d) for d in delays]
             table = []
