@@ -21,6 +21,12 @@ ignored by git; ``--results-dir bench/results`` for the committed results):
 * ``<out-dir>/netbench_<W>ranks/<rate>_<method>.json``: the raw results
   (per-rank logs under ``.../logs/``).
 
+With ``local`` among ``--methods`` (every rank trains alone on its shard, no
+collective in a step) each table adds the *compute limit* -- ddp's steps to the
+target x local's measured ms/step in the same run -- and every method's time to
+the target as a multiple of it. ``bench/latency_tables.py`` projects the same
+results onto links with added one-way delay.
+
 The namespaces are deleted in a ``finally`` block that also runs on SIGINT,
 SIGTERM and SIGHUP, and the script checks that they are gone. Needs root
 (``ip netns``), ``ip`` and ``tc`` (iproute2).
@@ -52,7 +58,9 @@ if REPO not in sys.path:
 
 from netbench_projection import apply_budget, project_run, timed_args  # noqa: E402
 
-METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist", "diloco", "sparseloco", "slimdp-local")
+METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist", "diloco", "sparseloco", "slimdp-local", "local")
+"""``local``: every rank trains alone (no communication); with ddp in the same run the tables give the
+compute limit, ddp's steps to the target x local's ms/step (:func:`netbench_report.compute_limit`)."""
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 

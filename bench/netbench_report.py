@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["steady_bytes_per_step", "markdown", "markdown_lm", "plot", "plot_lm"]
+__all__ = ["steady_bytes_per_step", "compute_limit", "markdown", "markdown_lm", "plot", "plot_lm"]
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -83,6 +83,37 @@ def _rate_title(rate: str, by_method: Dict[str, List[Dict]], measured: Dict[str,
     return title
 
 
+LIMIT_METHOD = "local"
+
+
+def _local_ms_per_step(by_method: Dict[str, List[Dict]]) -> Optional[float]:
+    """Median ms per training step of the ``local`` runs (no communication), None without them."""
+    runs = next((rs for m, rs in by_method.items() if m.split("@")[0] == LIMIT_METHOD), None)
+    if not runs:
+        return None
+    return _median([1000.0 * r["final"]["train_time_s"] / max(1, r["steps"]) for r in runs])
+
+
+def compute_limit(by_method: Dict[str, List[Dict]], ddp_steps: Optional[float]) -> Optional[Dict[str, float]]:
+    """The compute limit of one rate: ddp's steps to the target (``ddp_steps``, median over seeds)
+    times the measured ms/step of ``local`` (every rank alone, no communication) in the same
+    netbench run. ``{"steps", "ms_per_step", "seconds"}``, or None without a local run or when ddp
+    never reached the target."""
+    ms = _local_ms_per_step(by_method)
+    if ms is None or ddp_steps is None:
+        return None
+    return {"steps": ddp_steps, "ms_per_step": ms, "seconds": ddp_steps * ms / 1000.0}
+
+
+def _limit_line(lim: Optional[Dict[str, float]]) -> List[str]:
+    if lim is None:
+        return []
+    return [f"\nCompute limit: ddp's {lim['steps']:.0f} steps to the target x local's measured "
+            f"{lim['ms_per_step']:.0f} ms/step (every rank trains alone on its shard, no communication, "
+            f"same run) = {lim['seconds']:.1f} s; 'x of the limit' = a method's time to the target over it. "
+            f"local's own score: the mean over ranks of each rank's model on the whole evaluation set.\n"]
+
+
 def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, float], header: str) -> str:
     """Markdown tables (one per rate) from {rate: {method: [results dict per seed]}}.
 
@@ -102,6 +133,10 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
         parts.append(_rate_title(rate, by_method, measured))
         rows = []
         base = _ttt(by_method["ddp"]) if "ddp" in by_method else None
+        ddp_reached = [r["time_to_target"] for r in by_method.get("ddp", []) if r.get("time_to_target")]
+        lim = compute_limit(by_method, _median([t["step"] for t in ddp_reached])
+                            if ddp_reached and len(ddp_reached) == len(by_method["ddp"])
+                            and all("step" in t for t in ddp_reached) else None)
         for m, runs in by_method.items():
             t = _ttt(runs)
             reached = [r["time_to_target"] for r in runs if r.get("time_to_target")]
@@ -125,6 +160,8 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
             ]
             if n_seeds > 1:
                 row.insert(2, per_seed)
+            if lim is not None:
+                row.insert(5 if n_seeds > 1 else 4, f"{t / lim['seconds']:.2f}" if t is not None else "-")
             rows.append(row)
         headers = ["method", f"time to {tgt:g} (s)", "epoch reached", "speed-up vs ddp",
                    (f"test acc at the {budget:g} s budget" if budget
@@ -135,7 +172,10 @@ def markdown(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, floa
         if n_seeds > 1:
             headers[1] = f"median time to {tgt:g} (s)"
             headers.insert(2, "per seed (s)")
+        if lim is not None:
+            headers.insert(5 if n_seeds > 1 else 4, "x of the compute limit")
         parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+        parts += _limit_line(lim)
     return "\n".join(parts) + "\n"
 
 
@@ -190,6 +230,7 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
             return None if any(t is None for t in ts) else _median(ts)
         base = med_t(times["ddp"]) if "ddp" in times else None
         ddp_loss = _median([r["final"]["val_loss"] for r in by_method["ddp"]]) if "ddp" in by_method else None
+        lim = compute_limit(by_method, med_t(steps_to["ddp"]) if "ddp" in steps_to else None)
         rows = []
         for m, runs in by_method.items():
             t = med_t(times[m])
@@ -210,6 +251,8 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
                 f"{_median([1000 * r['final']['train_time_s'] / max(1, r['steps']) for r in runs]):.0f}",
                 " ".join(runs[0].get("method_flags", [])) or "-",
             ])
+            if lim is not None:
+                rows[-1].insert(4, f"{t / lim['seconds']:.2f}" if t is not None else "-")
         per_seed_target = len(set(seed_t)) > 1 or (n_seeds > 1 and "ddp" in by_method)
         headers = ["method", ("time to ddp's final val loss of the same seed (median " f"{target:.4f}) (s)"
                               if per_seed_target and target else
@@ -217,7 +260,10 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
                    "per seed (s)", "speed-up vs ddp", "step reached", "final val loss", "vs ddp", "steps",
                    "MB/rank/step", "% of ddp bytes", "wire MB/rank/step", "wire/payload", "ms/step",
                    "method flags"]
+        if lim is not None:
+            headers.insert(4, "x of the compute limit")
         parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+        parts += _limit_line(lim)
     return "\n".join(parts) + "\n"
 
 

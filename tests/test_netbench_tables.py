@@ -113,3 +113,43 @@ def test_plot_lm_labels_ddp_final_loss(tmp_path, monkeypatch):
     assert [t.get_text() for t in ax_bytes.get_legend().get_texts()] == [
         "ddp", "slimdp-local", f"ddp's final val loss {target:.3f}"]
     assert "10gbit per link" in figs[0]._suptitle.get_text()
+
+
+def _run_step(ttt, step, train_time=50.0, steps=500, acc=0.86):
+    r = _run(ttt, acc, steps=steps, train_time=train_time)
+    if r["time_to_target"] is not None:
+        r["time_to_target"]["step"] = step
+    return r
+
+
+def test_compute_limit_from_a_local_run():
+    """ddp's median 100 steps to the target x local's 100 ms/step (50 s / 500 steps) = 10 s; a method
+    at 20 s is 2.00x the limit; without local there is no limit line or column."""
+    res = {"1gbit": {"ddp": [_run_step(40.0, 100), _run_step(45.0, 120), _run_step(38.0, 80)],
+                     "slimdp": [_run_step(20.0, 150)] * 3,
+                     "local": [_run_step(None, None, train_time=50.0, acc=0.80)] * 3}}
+    md = netbench.markdown(res, {"1gbit": 950.0}, "# h")
+    assert "Compute limit: ddp's 100 steps to the target x local's measured 100 ms/step" in md
+    assert "= 10.0 s" in md
+    head = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| method")).split("|")[1:-1]]
+    col = head.index("x of the compute limit")
+    assert _row(md, "slimdp")[col] == "2.00" and _row(md, "ddp")[col] == "4.00"
+    assert _row(md, "local")[col] == "-"
+    no_local = {"1gbit": {k: v for k, v in res["1gbit"].items() if k != "local"}}
+    md2 = netbench.markdown(no_local, {"1gbit": 950.0}, "# h")
+    assert "Compute limit" not in md2 and "x of the compute limit" not in md2
+
+
+def test_compute_limit_lm():
+    def lm(losses, steps=100, train_time=20.0):
+        return {"config": {"seed": 0}, "steps": steps, "dense_bytes_per_step": 1000,
+                "evals": [{"step": 25 * (i + 1), "train_time_s": train_time * (i + 1) / len(losses), "val_loss": v}
+                          for i, v in enumerate(losses)],
+                "final": {"val_loss": losses[-1], "train_time_s": train_time, "bytes_sent_per_rank": 1000 * steps},
+                "metric": {"name": "val_loss"}, "method_flags": []}
+    res = {"1gbit": {"ddp": [lm([3.0, 2.5, 2.2, 2.0], train_time=80.0)], "local": [lm([3.1, 2.9, 2.8, 2.7])]}}
+    md = netbench.markdown_lm(res, {"1gbit": 950.0}, "# h")
+    # ddp reaches its own final loss at step 100; local 20 s / 100 steps = 200 ms/step: 20 s; ddp 80 s = 4.00x
+    assert "ddp's 100 steps to the target x local's measured 200 ms/step" in md and "= 20.0 s" in md
+    head = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| method")).split("|")[1:-1]]
+    assert _row(md, "ddp")[head.index("x of the compute limit")] == "4.00"

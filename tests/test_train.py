@@ -18,7 +18,8 @@ from slimcomm.train import loop as train_loop  # monkeypatched where main() and 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The DDP-hook and IST methods; the local-step methods (SlimDPOptimizer) need more steps than a
 # tiny run has before their outer model moves, and are tested with a short sync period below.
-METHODS = [m for m in T.METHODS if m not in T.SYNC_DEFAULTS]
+# local (no communication, the compute limit) has its own tests below.
+METHODS = [m for m in T.METHODS if m not in T.SYNC_DEFAULTS and m != "local"]
 SYNC_METHODS = list(T.SYNC_DEFAULTS)
 TINY = ["--dataset", "digits", "--hidden", "48,48", "--epochs", "1", "--batch-size", "16",
         "--no-progress", "--threads", "1", "--timeout", "60"]
@@ -275,6 +276,7 @@ def _exit_without_writing(rank, args, init_method):
 
 @pytest.mark.parametrize("method,lr,momentum", [
     ("ddp", 0.05, 0.9), ("powersgd", 0.05, 0.9), ("ist", 0.03, 0.9), ("topk", 0.4, 0.0), ("slimdp", 0.6, 0.0),
+    ("local", 0.05, 0.9),  # ddp's SGD settings: its ms/step is ddp's compute limit
 ])
 def test_method_defaults(method, lr, momentum):
     args = T.apply_method_defaults(T.build_parser().parse_args(["--method", method]))
@@ -425,6 +427,10 @@ def _no_env(monkeypatch):
     (["--beta1", "0.9"], "--beta1"),
     (["--steps", "10", "--epochs", "1"], "--steps"),
     (["--method", "ist", "--grad-clip", "1"], "--grad-clip"),
+    (["--method", "local", "--sync-every", "3"], "--sync-every applies to --method diloco"),
+    (["--method", "local", "--outer-lr", "0.7"], "--outer-lr"),
+    (["--method", "local", "--core-ratio", "0.1"], "--core-ratio does not apply to --method local"),
+    (["--compare", "ddp,local", "--explore-ratio", "0.1"], "--explore-ratio does not apply to --method local"),
 ])
 def test_bad_option_combinations(argv, needle, monkeypatch, capsys):
     _no_env(monkeypatch)
@@ -736,3 +742,83 @@ def test_single_method_table_has_no_empty_ratio_columns():
     assert "vs ddp" not in s.splitlines()[0]
     s2 = T.compare_table([_fake_result("ddp", 0), r])
     assert "MB vs ddp" in s2.splitlines()[0]
+
+
+# ---------------------------------------------------------------------------
+# --method local: no communication, the compute limit
+# ---------------------------------------------------------------------------
+
+def test_local_method_trains_alone(tmp_path):
+    """2 gloo ranks, tiny MLP: no byte sent, evaluations at the same steps as the other methods
+    (their all-reduce of the scores does not hang), accuracy above chance, nothing to project."""
+    out = tmp_path / "local.json"
+    r = subprocess.run(_cmd("--method", "local", "--world-size", "2", "--eval-every", "15", "--out", str(out),
+                            "--link-times", "1gbit", *TINY),
+                       env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    steps = res["steps"]
+    assert res["method"] == "local" and steps == res["dataset"]["train_samples_per_rank"] // 16
+    assert [e["step"] for e in res["evals"]] == list(range(15, steps, 15)) + [steps]
+    assert all(e["bytes_sent_per_rank"] == 0 for e in res["evals"]) and res["final"]["bytes_sent_per_rank"] == 0
+    assert res["config"]["lr"] == 0.05 and res["config"]["momentum"] == 0.9
+    assert 0.3 < res["final"]["test_acc"] <= 1.0
+    assert res["stats"] == {}
+    # no collective in a step: the projection onto a link adds nothing to the measured time
+    lt = res["link_times"]
+    assert lt["collectives_per_step"] == 0
+    assert lt["links"]["1gbit"]["train_time_s"] == pytest.approx(res["final"]["train_time_s"], rel=1e-12)
+
+
+def test_local_method_on_gpt(tmp_path, small_text):
+    out = tmp_path / "local.json"
+    r = subprocess.run(_cmd("--method", "local", "--world-size", "2", "--text-file", small_text,
+                            "--out", str(out), "--link-times", "none", *GPT_TINY),
+                       env=_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    vocab = len(set(open(small_text).read()))
+    assert [e["step"] for e in res["evals"]] == [4, 8] and res["final"]["bytes_sent_per_rank"] == 0
+    assert res["final"]["val_loss"] < math.log(vocab)
+
+
+def test_evaluation_of_rank_own_models(tmp_path):
+    """split=False (local): this rank's model on the WHOLE test set (the all-reduce then averages over
+    ranks); split=True: this rank's 1/W share. One rank in the group, world_size 2 in the call."""
+    import torch.nn.functional as F
+    from slimcomm.train.tasks import _evaluate
+
+    torch.manual_seed(0)
+    model = T.build_model(5, (7,), 3)
+    x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
+    with torch.no_grad():
+        out = model(x)
+    full = float((out.argmax(1) == y).float().mean())
+    half = float((out[0::2].argmax(1) == y[0::2]).float().mean())
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
+    try:
+        acc, loss = _evaluate(model, x, y, 0, 2, torch.device("cpu"), split=False)
+        assert acc == pytest.approx(full) and loss == pytest.approx(float(F.cross_entropy(out, y)))
+        acc2, _ = _evaluate(model, x, y, 0, 2, torch.device("cpu"))
+        assert acc2 == pytest.approx(half)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_method_has_no_ddp(tmp_path):
+    import torch.nn.functional as F
+
+    args = T.apply_method_defaults(T.build_parser().parse_args(["--method", "local", "--dataset", "digits"]))
+    args.device = "cpu"
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "store"), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = T.build_model(5, (7,), 3)
+        m = T._Method(args, model, 2, F.cross_entropy, total_steps=4, classify=True)
+        assert m.ddp is None and m.forward_model is model and not m.sync_optimizer and not m.eval_split
+        before = [p.detach().clone() for p in model.parameters()]
+        m.train_step(torch.randn(8, 5), torch.randint(0, 3, (8,)))
+        assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert m.bytes_sent() == 0  # 2 ranks in the accounting, still nothing sent
+    finally:
+        dist.destroy_process_group()

@@ -67,10 +67,11 @@ def test_projection_is_compute_plus_link_time():
     assert p["train_time_s"] == p["evals"][-1]["train_time_s"]
     assert p["time_to_target_s"] == p["evals"][1]["train_time_s"]
     assert p["source"] == "projected"
-    # an all-gather method pays (W-1) x its bytes, one hop per synchronisation (every 10 steps for IST)
+    # an all-gather method pays (W-1) x its bytes; per round (every 10 steps for IST) one all-gather
+    # (1 hop at 2 ranks) and one agreement all-reduce (2 hops): 3 rounds x 3 hops
     g = P.project_result(_synthetic("ist"), "slow", ran_on, links=links)
-    compute = 30 * 0.05 - (30 * 4e6 / 1e9 + 3 * 1e-3)
-    assert g["train_time_s"] == pytest.approx(compute + 30 * 4e6 / 1e7 + 3 * 2e-3, rel=1e-12)
+    compute = 30 * 0.05 - (30 * 4e6 / 1e9 + 9 * 1e-3)
+    assert g["train_time_s"] == pytest.approx(compute + 30 * 4e6 / 1e7 + 9 * 2e-3, rel=1e-12)
 
 
 def test_add_link_times_and_link_result():

@@ -37,6 +37,12 @@ Methods (``--method``; ``--compare`` takes a comma-separated list):
               for ``--local-steps`` steps, then one collective re-assembles the model;
               gradients scaled so one lr serves every world size (``--no-scale-grads``:
               the original update), ``--ist-shared F`` for overlapping subnets.
+``local``     no communication at all: each rank trains its own replica alone on
+              its own shard (same initial weights, batch and optimizer settings as
+              ``ddp`` by default). Not a way to train: its ms/step is the compute
+              limit of the other methods (``bench/netbench.py --methods ...,local``).
+              Evaluation: every rank scores its own model on the whole evaluation
+              set, the reported score is the mean over ranks.
 ========== ===================================================================
 
 Bytes sent per rank
@@ -62,6 +68,7 @@ rank sends nothing). Per method:
 * ``ist``: per synchronisation round, the padded buffer of this rank's
   trained slices handed to the one ``all_gather`` (``ISTStats.bytes_sent``
   divided by ``W - 1``, its ring traffic factor).
+* ``local``: 0.
 
 Launching
 ---------

@@ -24,7 +24,8 @@ from .workloads import data as data_mod
 from .workloads import text as text_mod
 
 
-METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist", "diloco", "sparseloco", "slimdp-local")
+METHODS = ("ddp", "fp16", "powersgd", "topk", "slimdp", "ist", "diloco", "sparseloco", "slimdp-local", "local")
+"""``local``: no communication (each rank trains alone on its shard): the compute limit, not a method to train with."""
 MODELS = ("mlp", "cnn", "gpt")
 
 GPT_DEFAULTS = {"n_layer": 2, "n_embd": 192, "n_head": 3, "block_size": 64, "batch_size": 4, "steps": 1000,
@@ -145,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("what to run")
-    g.add_argument("--method", choices=METHODS, default="slimdp", help="communication method")
+    g.add_argument("--method", choices=METHODS, default="slimdp",
+                   help="communication method; local: none (each rank trains alone on its own shard with ddp's "
+                        "settings; the compute limit of the others)")
     g.add_argument("--compare", type=_methods, default=None, metavar="M1,M2,...",
                    help="run these methods one after another (same seed) and print one table")
     g.add_argument("--model", choices=MODELS, default="mlp",
@@ -495,6 +498,7 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
         SystemExit: ``"error: ..."`` naming the flag, when an option does not
             apply to the chosen model, optimizer or method, or options
             contradict each other (``--method ist`` without ``--model mlp``,
+            ``--method local`` with ``--sync-every``/``--outer-lr``/... or ``--core-ratio``/``--explore-ratio``,
             ``--grad-clip`` with ist, ``--steps`` with ``--epochs``,
             ``--min-lr`` above ``--lr`` or without a cosine schedule,
             ``--n-embd`` not a multiple of ``--n-head``, ``--warmup-lr-steps``
@@ -581,14 +585,23 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     sync = SYNC_DEFAULTS.get(args.method)
     for name in ("sync_every", "outer_lr", "outer_momentum", "value_bits", "error_decay"):
         if sync is None and given(name):
-            bad(f"{_flag(name)} applies to --method {'/'.join(SYNC_DEFAULTS)}, not {args.method}")
+            bad(f"{_flag(name)} applies to --method {'/'.join(SYNC_DEFAULTS)}, not {args.method}"
+                + (" (no communication: the ranks never synchronise)" if args.method == "local" else ""))
         if sync is not None and not given(name):
             setattr(args, name, sync[name])
     if sync is not None and args.outer_momentum >= 1:
         bad(f"--outer-momentum {args.outer_momentum:g} must be < 1")
-    if not given("core_ratio"):
+    if args.method == "local":
+        # no DDP, no hook, no synchronisation: the compressors' options would silently do nothing
+        for name in ("core_ratio", "explore_ratio"):
+            if given(name):
+                bad(f"{_flag(name)} does not apply to --method local (no communication: each rank trains "
+                    "alone on its shard, the compute limit of the other methods)")
+        # (left unset, so that a second call, e.g. run() after _resolve_launch(), still refuses only
+        # what the user gave)
+    elif not given("core_ratio"):
         args.core_ratio = sync.get("core_ratio", 0.01) if sync else 0.01
-    if not given("explore_ratio"):
+    if args.method != "local" and not given("explore_ratio"):
         args.explore_ratio = sync.get("explore_ratio", 0.01) if sync else 0.01
     if getattr(args, "profile", False) and (args.method == "ist" or getattr(args, "device", "cpu") != "cpu"):
         bad("--profile times the steps of the DDP and optimizer-side methods on --device cpu; not --method ist "

@@ -155,7 +155,7 @@ def _train(rank, world_size, args, device, backend):
             method.before_eval()  # IST: write back + repartition (communication, counted as training)
         t1 = time.perf_counter()
         with method.eval_context():
-            scores = task.evaluate(method.eval_model(), world_size)
+            scores = task.evaluate(method.eval_model(), world_size, split=method.eval_split)
         t2 = time.perf_counter()
         train_time += t1 - t0
         eval_time += t2 - t1

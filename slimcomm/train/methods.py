@@ -141,6 +141,9 @@ class _Method:
             from .profile import StepProfiler
 
             self.profiler = StepProfiler()
+        # local: the replicas never meet, so every rank scores its own model on the whole evaluation
+        # set (the reported score is the mean over ranks); the others split it over the ranks
+        self.eval_split = args.method != "local"
         final_ratio = args.min_lr / args.lr if args.lr_schedule == "cosine" else 1.0
         self._scheduled = args.lr_schedule != "constant" or args.warmup_lr_steps > 0
 
@@ -166,6 +169,11 @@ class _Method:
         if self.sync_optimizer:
             inner = _make_optimizer(model.parameters(), args)
             self.opt = SYNC_OPTIMIZER_BUILDERS[m](args, model, inner)
+            self.forward_model = model
+        elif m == "local":
+            # no DDP, no collective in a training step: each rank steps its own replica on its own
+            # shard (the same initial weights everywhere: every rank seeds the model with --seed)
+            inner = self.opt = _make_optimizer(model.parameters(), args)
             self.forward_model = model
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -269,6 +277,8 @@ class _Method:
         if self.world_size == 1:
             return 0
         m = self.name
+        if m == "local":
+            return 0
         if self.sync_optimizer:
             return int(self.opt.stats["total"]["bytes_sent"])
         if m == "ddp":

@@ -29,6 +29,14 @@ the all-reduce's goodput there). ``tests/test_train_projection.py`` checks the
 constants against that file and the projection against the committed measured
 2-rank netbench runs.
 
+Latency: every collective call pays :func:`ring_hops` hops (``2 (W-1)`` for a ring all-reduce,
+``W-1`` for an all-gather) of ``alpha_s`` each; :func:`collective_calls` counts a method's calls
+per step (DDP's buckets, the Slim-DP hook's checksum all-reduces, the local-step methods' value
+collectives and agreement all-reduce per synchronisation). A one-way delay ``d`` between two
+ranks adds ``d`` to every hop (:meth:`LinkModel.with_delay`, ``project_result(..., delay_s=d)``),
+i.e. ``d * hops_per_step * steps`` to a run's time (:func:`delayed_result`, which
+``bench/latency_tables.py`` applies to netbench results); delay 0 leaves every number as it was.
+
 Known artefact: the 100 Mbit/s fits give no per-hop latency (small messages
 beat the large-message line there) and the 1 Gbit/s ones 0.7-0.8 ms, so on a
 payload of a few KB per step the projected 1 Gbit/s time exceeds the
@@ -50,7 +58,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PATTERN", "pattern_of", "LinkModel", "fit_link", "collectives_per_step", "EMULATED_LINKS", "LINK_NAMES",
+__all__ = ["PATTERN", "pattern_of", "ring_hops", "LinkModel", "fit_link", "collective_calls", "collectives_per_step",
+           "hops_per_step", "delay_s_at", "delayed_result", "parse_delays", "EMULATED_LINKS", "LINK_NAMES",
            "DEFAULT_RATES", "probe_link", "run_compute_s", "project_result", "add_link_times", "link_result",
            "links_table", "projection_note"]
 
@@ -59,6 +68,7 @@ PATTERN = {
     "ddp": "allreduce", "fp16": "allreduce", "powersgd": "allreduce", "slimdp": "allreduce",
     "diloco": "allreduce", "topk": "allgather", "sparseloco": "allgather", "ist": "allgather",
     "slimdp-local": "allgather",
+    "local": "allreduce",  # no collective at all (collectives_per_step 0, no bytes): the kind is never used
 }
 
 
@@ -80,27 +90,59 @@ def pattern_of(method: str, config: Optional[Dict[str, Any]] = None) -> str:
     return PATTERN[method]
 
 
+def ring_hops(kind: str, world_size: int) -> int:
+    """Latency terms (ring hops) one collective call of ``kind`` pays on ``world_size`` ranks:
+    ``2 (W-1)`` for a ring all-reduce (reduce-scatter, then all-gather), ``W-1`` for a ring
+    all-gather.
+
+    Raises:
+        ValueError: an unknown ``kind`` or ``world_size`` < 1."""
+    if world_size < 1:
+        raise ValueError(f"world_size: expected >= 1, got {world_size}")
+    if kind == "allreduce":
+        return 2 * (world_size - 1)
+    if kind == "allgather":
+        return world_size - 1
+    raise ValueError(f"kind: expected 'allreduce' or 'allgather', got {kind!r}")
+
+
 @dataclass(frozen=True)
 class LinkModel:
     """alpha-beta parameters of one link rate.
 
     Attributes:
-        alpha_s: latency per ring hop (seconds).
+        alpha_s: latency per ring hop (seconds): the time a message of no size takes from one
+            rank to the next, the link's one-way delay included.
         goodput_bps: effective rate ``eta * R`` (bits/s) the payload moves at.
     """
 
     alpha_s: float
     goodput_bps: float
 
+    def with_delay(self, delay_s: float) -> "LinkModel":
+        """This link with ``delay_s`` seconds of extra one-way delay between two ranks (netem-style
+        propagation delay): every ring hop pays it once, the goodput is unchanged.
+
+        Raises:
+            ValueError: ``delay_s`` negative or not finite."""
+        if not (math.isfinite(delay_s) and delay_s >= 0):
+            raise ValueError(f"delay_s: expected a finite number of seconds >= 0, got {delay_s!r}")
+        return LinkModel(alpha_s=self.alpha_s + delay_s, goodput_bps=self.goodput_bps)
+
+    def latency_s(self, kind: str, world_size: int, collectives: float = 1.0) -> float:
+        """Seconds of latency alone (no payload) of ``collectives`` calls of ``kind``:
+        ``collectives * ring_hops(kind, world_size) * alpha_s``."""
+        return collectives * ring_hops(kind, world_size) * self.alpha_s
+
     def allreduce_s(self, nbytes: float, world_size: int, collectives: float = 1.0) -> float:
         """Seconds for ``collectives`` ring all-reduces totalling ``nbytes`` bytes on ``world_size`` ranks."""
         w = world_size
-        return collectives * 2 * (w - 1) * self.alpha_s + 2 * (w - 1) / w * 8 * nbytes / self.goodput_bps
+        return self.latency_s("allreduce", w, collectives) + 2 * (w - 1) / w * 8 * nbytes / self.goodput_bps
 
     def allgather_s(self, nbytes: float, world_size: int, collectives: float = 1.0) -> float:
         """Seconds for ``collectives`` ring all-gathers of ``nbytes`` bytes per rank in total."""
         w = world_size
-        return collectives * (w - 1) * self.alpha_s + (w - 1) * 8 * nbytes / self.goodput_bps
+        return self.latency_s("allgather", w, collectives) + (w - 1) * 8 * nbytes / self.goodput_bps
 
     def collective_s(self, kind: str, nbytes: float, world_size: int, collectives: float = 1.0) -> float:
         if kind == "allreduce":
@@ -113,11 +155,8 @@ class LinkModel:
 def _coeffs(kind: str, nbytes: float, world_size: int, collectives: float) -> Tuple[float, float]:
     """(multiplier of alpha, multiplier of 1/goodput) of one observation."""
     w = world_size
-    if kind == "allreduce":
-        return collectives * 2 * (w - 1), 2 * (w - 1) / w * 8 * nbytes
-    if kind == "allgather":
-        return collectives * (w - 1), (w - 1) * 8 * nbytes
-    raise ValueError(f"kind: expected 'allreduce' or 'allgather', got {kind!r}")
+    hops = collectives * ring_hops(kind, w)
+    return hops, (2 * (w - 1) / w if kind == "allreduce" else (w - 1)) * 8 * nbytes
 
 
 def fit_link(obs: Sequence[Tuple[str, float, int, float, float]]) -> LinkModel:
@@ -169,25 +208,207 @@ def fit_link(obs: Sequence[Tuple[str, float, int, float, float]]) -> LinkModel:
     return LinkModel(alpha_s=max(0.0, alpha), goodput_bps=1.0 / inv_g)
 
 
-def collectives_per_step(run: Dict) -> float:
-    """Collectives one step issues (amortised for the local-step methods), from the run's settings:
-    one per DDP bucket (two for PowerSGD's P and Q, and for top-k's index + value all-gathers);
-    IST / DiLoCo-style methods one per synchronisation."""
-    cfg, m = run["config"], run["method"]
-    dense = run["dense_bytes_per_step"]
+#: SlimDPState's default check_agreement_every (slimcomm.train does not change it): one checksum
+#: all-reduce per bucket every this many compressed steps
+_CHECK_EVERY = 100
+
+
+def _buckets(run: Dict) -> int:
+    """DDP buckets (or SlimDPOptimizer parameter groups) of the run: its dense bytes over the
+    ``bucket_cap_mb`` cap, at least 1."""
+    cfg = run.get("config") or {}
     cap = float(cfg.get("bucket_cap_mb") or 25.0) * 2 ** 20
     # slimcomm.train passes bucket_cap_mb to DDP explicitly, so DDP's first bucket has the same cap
-    # (its 1 MiB first bucket applies only when bucket_cap_mb is left unset)
-    buckets = max(1, math.ceil(dense / cap))
+    # (its 1 MiB first bucket applies only when bucket_cap_mb is left unset); SlimDPOptimizer packs
+    # its fp32 groups to the same cap
+    return max(1, math.ceil(float(run["dense_bytes_per_step"]) / cap))
+
+
+def collective_calls(run: Dict, current_code: bool = False) -> Dict[str, float]:
+    """Collective calls one training step issues, per latency class, amortised over the run.
+
+    Returns ``{"allreduce": n, "allgather": m}``: ``n`` calls paying a ring all-reduce's
+    ``2 (W-1)`` hops, ``m`` paying a ring all-gather's ``W-1`` (an all-to-all counts as one such
+    call: its pairwise exchanges are not more than ``W-1`` sequential hops). ``B`` = buckets
+    (DDP) or parameter groups (SlimDPOptimizer) of ``bucket_cap_mb``:
+
+    * ddp, fp16: ``B`` all-reduces a step;
+    * powersgd: ``3 B`` (the uncompressed tensors, P and Q of each bucket);
+    * topk (hook, local index sets): ``2 B`` all-gathers (indices and values);
+    * slimdp (hook): ``B`` all-reduces plus its small checksum all-reduces (64-96 bytes; one per
+      bucket at every core refresh and every 100th compressed step): the run's counted
+      ``stats["total"]["checks"]`` when recorded, else ``B (1/core_refresh + 1/100)``;
+    * ist: per round (``stats["rounds"]`` when recorded, else one per ``local_steps``): one
+      all-gather, one agreement all-reduce (counted from ``stats["check_bytes"]``, 80 bytes a
+      round, when the run has stats: runs made before the agreement existed have none), + one
+      all-reduce of the shared neurons with ``ist_shared`` > 0;
+    * diloco, sparseloco, slimdp-local (SlimDPOptimizer), per synchronisation (``stats["syncs"]``
+      when recorded, else one per ``sync_every`` steps): per group ``B`` all-reduces (dense
+      values, ``diloco``; shared index sets, slimdp-local without ``value_bits``), ``2 B``
+      all-gathers (sparseloco: indices and values), or for 2-bit codes ``2 B`` all-gather-class
+      calls (all-to-all + all-gather, ``lowbit_collective="all_reduce"``) or ``B`` all-gathers
+      (``"all_gather"``); plus the small all-reduces the run counted in
+      ``stats["total"]["checks"]`` (the 80-byte agreement that starts every synchronisation in
+      the current code, index-set checks, core refreshes), or without stats one agreement per
+      synchronisation;
+    * local (no communication): none.
+
+    The warm-up steps (a dense all-reduce instead) are not told apart.
+
+    ``current_code=True``: the calls the current code would make with the run's settings where the
+    run was made by older code: one agreement all-reduce per synchronisation / IST round where
+    the run recorded fewer, and slimdp-local's 2-bit codes through the two-stage all-reduce
+    (all-to-all + all-gather) where the run's config predates ``lowbit_collective``.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    cfg, m = run.get("config") or {}, run["method"]
+    b = float(_buckets(run))
+    steps = max(1, int(run.get("steps") or 0))
+    total = ((run.get("stats") or {}).get("total") or {}) if isinstance(run.get("stats"), dict) else {}
+    checks = total.get("checks") if isinstance(total, dict) else None
+    if m == "local":
+        return {"allreduce": 0.0, "allgather": 0.0}
     if m in ("ddp", "fp16"):
-        return float(buckets)
-    if m == "slimdp":  # + the 64-byte core-set all-reduce per bucket at every core refresh
-        return buckets * (1.0 + 1.0 / max(1, cfg.get("core_refresh") or 10))
-    if m in ("powersgd", "topk"):
-        return 2.0 * buckets
+        return {"allreduce": b, "allgather": 0.0}
+    if m == "powersgd":
+        return {"allreduce": 3 * b, "allgather": 0.0}
+    if m == "topk":
+        return {"allreduce": 0.0, "allgather": 2 * b}
+    if m == "slimdp":
+        small = (checks / steps if checks is not None
+                 else b * (1.0 / max(1, cfg.get("core_refresh") or 10) + 1.0 / _CHECK_EVERY))
+        return {"allreduce": b + small, "allgather": 0.0}
+    stats = run.get("stats") if isinstance(run.get("stats"), dict) else None
     if m == "ist":
-        return 1.0 / max(1, cfg.get("local_steps") or 1)
-    return 1.0 / max(1, cfg.get("sync_every") or 1)
+        rounds = (stats or {}).get("rounds")
+        per = rounds / steps if rounds is not None else 1.0 / max(1, cfg.get("local_steps") or 1)
+        shared = 1.0 if (cfg.get("ist_shared") or 0) > 0 else 0.0
+        if stats is None:
+            agree = per  # the current code: one agreement all-reduce a round
+        else:  # what the run recorded (80 bytes a round; runs made before the agreement have none)
+            agree = (stats.get("check_bytes") or 0) / 80.0 / steps
+            if current_code and agree < per:
+                agree = per
+        return {"allreduce": per * shared + agree, "allgather": per}
+    if m in ("diloco", "sparseloco", "slimdp-local"):
+        syncs = (stats or {}).get("syncs")
+        per = (syncs / steps) if syncs is not None else 1.0 / max(1, cfg.get("sync_every") or 1)
+        ar, ag = 0.0, 0.0
+        if m == "diloco":
+            ar += b
+        elif m == "sparseloco":
+            ag += 2 * b
+        elif cfg.get("value_bits") is None:
+            ar += b
+        elif cfg.get("lowbit_collective", "all_reduce" if current_code else "all_gather") == "all_reduce":
+            ag += 2 * b
+        else:
+            ag += b
+        # small all-reduces: the agreement at every synchronisation (+ index-set checks and core
+        # refreshes in shared mode), as the run counted them in stats["total"]["checks"] (runs made
+        # before the agreement existed count none); without stats, the current code's one agreement
+        small = checks / steps if checks is not None else per
+        if current_code and checks is not None and checks < per * steps:
+            small += per  # a run made before the per-sync agreement: add it
+        return {"allreduce": per * ar + small, "allgather": per * ag}
+    raise ValueError(f"method: unknown {m!r}; expected one of {', '.join(sorted(PATTERN))}")
+
+
+def hops_per_step(run: Dict, current_code: bool = False) -> float:
+    """Ring hops of latency one training step pays (amortised): :func:`collective_calls`
+    weighted by :func:`ring_hops`. An added one-way delay ``d`` per hop adds ``d *
+    hops_per_step(run)`` seconds to every step."""
+    w = int(run["world_size"])
+    return sum(n * ring_hops(k, w) for k, n in collective_calls(run, current_code).items())
+
+
+def collectives_per_step(run: Dict) -> float:
+    """Collectives one step issues (amortised), in calls of the run's pattern kind
+    (:func:`pattern_of`) with the same ring hops: ``hops_per_step / ring_hops(pattern)``, so
+    ``LinkModel.collective_s(pattern, bytes, W, collectives_per_step * steps)`` charges every call
+    of :func:`collective_calls` its latency. 0 for ``local``; DDP ``B`` (buckets); local-step
+    methods ``(calls per synchronisation) / H``."""
+    w = int(run["world_size"])
+    hops = ring_hops(pattern_of(run["method"], run.get("config")), w)
+    return hops_per_step(run) / hops if hops else 0.0
+
+
+def delay_s_at(run: Dict, step: float, delay_s: float) -> float:
+    """Seconds ``delay_s`` of one-way delay per hop adds to ``run`` up to ``step``:
+    ``delay_s * hops_per_step(run) * step`` (exactly the latency term of
+    :meth:`LinkModel.with_delay`)."""
+    if not (math.isfinite(delay_s) and delay_s >= 0):
+        raise ValueError(f"delay_s: expected a finite number of seconds >= 0, got {delay_s!r}")
+    return delay_s * hops_per_step(run) * step
+
+
+def delayed_result(result: Dict[str, Any], delay_s: float, current_code: bool = False) -> Dict[str, Any]:
+    """A copy of ``result`` as if every link had ``delay_s`` seconds more one-way delay per hop.
+
+    Every training time (each evaluation's, ``final``'s and ``time_to_target``'s) grows by
+    :func:`delay_s_at` at its step; bytes and scores stay. The times of ``result`` are the
+    run's own (measured, or projected by ``bench/netbench_projection.py``) at delay 0; the copy
+    records ``"delay": {"one_way_s", "hops_per_step", "source"}``. ``delay_s == 0`` returns the
+    same times exactly. ``current_code``: count the calls the current code makes
+    (:func:`collective_calls`).
+
+    Raises:
+        ValueError: ``delay_s`` negative or not finite; an unknown method.
+    """
+    if not (math.isfinite(delay_s) and delay_s >= 0):
+        raise ValueError(f"delay_s: expected a finite number of seconds >= 0, got {delay_s!r}")
+    hps = hops_per_step(result, current_code)
+    r = copy.deepcopy(result)
+    for e in r.get("evals") or []:
+        e["train_time_s"] = e["train_time_s"] + delay_s * hps * e["step"]
+    for e in r.get("epochs") or []:
+        if "step" in e:
+            e["train_time_s"] = e["train_time_s"] + delay_s * hps * e["step"]
+    r["final"]["train_time_s"] = r["final"]["train_time_s"] + delay_s * hps * int(r["steps"])
+    t = r.get("time_to_target")
+    if t:
+        t["train_time_s"] = t["train_time_s"] + delay_s * hps * int(t["step"])
+    r["delay"] = {"one_way_s": delay_s, "hops_per_step": hps, "source": "projected" if delay_s else "as run"}
+    return r
+
+
+_DELAY_UNITS = {"ms": 1e-3, "us": 1e-6, "s": 1.0}
+
+
+def parse_delays(spec: str) -> List[float]:
+    """``"0,10,50ms"`` -> ``[0.0, 0.01, 0.05]`` (seconds). A unit (``ms``, ``us``, ``s``) on any
+    entry applies to the entries before it that have none; without one, milliseconds.
+
+    Raises:
+        ValueError: an empty list, an entry that is not a number >= 0, or a repeated delay."""
+    items = [x.strip() for x in str(spec).split(",")]
+    if not items or any(not x for x in items):
+        raise ValueError(f"--delays {spec!r}: expected comma-separated delays like 0,10,50ms")
+    out: List[Optional[float]] = []
+    pending: List[int] = []
+    for x in items:
+        unit = next((u for u in ("ms", "us", "s") if x.endswith(u)), None)
+        num = x[: -len(unit)] if unit else x
+        try:
+            v = float(num)
+        except ValueError:
+            raise ValueError(f"--delays {spec!r}: {x!r} is not a delay like 10ms") from None
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--delays {spec!r}: {x!r} must be a finite delay >= 0")
+        out.append(v)
+        pending.append(len(out) - 1)
+        if unit:
+            for i in pending:
+                out[i] = out[i] * _DELAY_UNITS[unit]
+            pending = []
+    for i in pending:
+        out[i] = out[i] * 1e-3
+    vals = [float(v) for v in out]
+    if len(set(vals)) != len(vals):
+        raise ValueError(f"--delays {spec!r}: a delay is given twice")
+    return vals
 
 
 # ---------------------------------------------------------------------------
@@ -317,21 +538,26 @@ def run_compute_s(result: Dict[str, Any], ran_on: LinkModel) -> List[Tuple[int, 
 
 
 def project_result(result: Dict[str, Any], rate: str, ran_on: LinkModel,
-                   links: Optional[Dict[str, Dict[str, LinkModel]]] = None) -> Dict[str, Any]:
+                   links: Optional[Dict[str, Dict[str, LinkModel]]] = None, delay_s: float = 0.0) -> Dict[str, Any]:
     """``result``'s train time on the link ``rate`` (:data:`EMULATED_LINKS` unless ``links`` has it).
 
     ``ran_on``: the link ``result`` was measured on (its loopback :func:`probe_link` fit, or an
-    emulated link's model). Returns ``{"rate", "source": "projected", "train_time_s",
-    "time_to_target_s", "evals": [{"step", "train_time_s"}]}``; ``time_to_target_s`` is the projected
-    time of the evaluation that first reached the target (None if none did).
+    emulated link's model). ``delay_s``: seconds of one-way delay per hop added to that link
+    (:meth:`LinkModel.with_delay`; 0 = the link as fitted). Returns ``{"rate", "source":
+    "projected", "delay_s", "train_time_s", "time_to_target_s", "evals": [{"step",
+    "train_time_s"}]}``; ``time_to_target_s`` is the projected time of the evaluation that first
+    reached the target (None if none did).
+
+    Raises:
+        ValueError: ``delay_s`` negative or not finite.
     """
-    link = _link_of(result, links, rate)
+    link = _link_of(result, links, rate).with_delay(delay_s)
     kind = pattern_of(result["method"], result.get("config"))
     w = int(result["world_size"])
     per_step = collectives_per_step(result)
     at = {k: c + link.collective_s(kind, b, w, per_step * k) for k, c, b in run_compute_s(result, ran_on)}
     ttt = result.get("time_to_target")
-    return {"rate": rate, "source": "projected",
+    return {"rate": rate, "source": "projected", "delay_s": delay_s,
             "train_time_s": at[int(result["steps"])],
             "time_to_target_s": at[int(ttt["step"])] if ttt else None,
             "evals": [{"step": int(e["step"]), "train_time_s": at[int(e["step"])]} for e in result["evals"]]}

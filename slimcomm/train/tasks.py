@@ -23,11 +23,15 @@ from .workloads import text as text_mod
 
 
 @torch.no_grad()
-def _evaluate(model, x, y, rank, world_size, device):
-    """Test loss and accuracy over the whole test set, split across ranks; one scalar all-reduce."""
+def _evaluate(model, x, y, rank, world_size, device, split=True):
+    """Test loss and accuracy over the whole test set, split across ranks; one scalar all-reduce.
+
+    ``split=False`` (ranks with different models): every rank scores its own model on the whole
+    test set and the result is the mean over ranks of their accuracies and losses (the same
+    all-reduce of counts: correct and sample totals summed over ranks)."""
     was = model.training
     model.eval()
-    xs, ys = x[rank::world_size], y[rank::world_size]
+    xs, ys = (x[rank::world_size], y[rank::world_size]) if split else (x, y)
     correct = 0.0
     loss_sum = 0.0
     for i in range(0, xs.shape[0], 2048):
@@ -105,8 +109,10 @@ class _ImageTask:
     def bar_label(self, epoch) -> str:
         return f"epoch {epoch + 1}/{self.num_epochs}"
 
-    def evaluate(self, model, world_size) -> Dict[str, float]:
-        acc, loss = _evaluate(model, self.x_test, self.y_test, self.rank, world_size, self.device)
+    def evaluate(self, model, world_size, split: bool = True) -> Dict[str, float]:
+        """Test accuracy and mean loss; collective (one all-reduce). ``split=False``: the mean over
+        ranks of each rank's own model on the whole test set (see :func:`_evaluate`)."""
+        acc, loss = _evaluate(model, self.x_test, self.y_test, self.rank, world_size, self.device, split)
         return {"test_acc": acc, "test_loss": loss}
 
     def reached(self, rec) -> Optional[float]:
@@ -167,12 +173,14 @@ class _TextTask:
         return f"{self.total_steps} steps"
 
     @torch.no_grad()
-    def evaluate(self, model, world_size) -> Dict[str, float]:
-        """Mean validation loss (nats/token) over all validation batches; each rank takes every W-th one."""
+    def evaluate(self, model, world_size, split: bool = True) -> Dict[str, float]:
+        """Mean validation loss (nats/token) over all validation batches; each rank takes every W-th one.
+        Collective (one all-reduce). ``split=False``: every rank scores its own model on every batch;
+        the result is the mean over ranks."""
         was = model.training
         model.eval()
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for x, y in self.val[self.rank::world_size]:
+        for x, y in (self.val[self.rank::world_size] if split else self.val):
             acc[0] += F.cross_entropy(model(x).reshape(-1, self.vocab_size), y.reshape(-1), reduction="sum").double()
             acc[1] += y.numel()
         dist.all_reduce(acc)
