@@ -207,6 +207,13 @@ def _check_world(plan: _GPTPlan, world_size: int) -> None:
         raise ValueError(f"the FFN width {plan.ffn} is smaller than world_size = {world_size}")
 
 
+def _check_partition(plan: _GPTPlan, blocks: Any, rank: Any) -> int:
+    """Validate ``blocks`` (a partition of the heads and FFN neurons) and ``rank``; the world size."""
+    if isinstance(blocks, Sequence) and blocks and isinstance(blocks[0], Sequence):
+        _check_world(plan, len(blocks[0]))
+    return _check_blocks(types.SimpleNamespace(hidden_sizes=plan.widths), blocks, rank)
+
+
 def _rank_index_sets(plan: _GPTPlan, blocks: Sequence[Sequence[torch.Tensor]],
                      rank: int) -> List[torch.Tensor]:
     """Per block: ``[qkv rows, head columns, ffn]`` int64 CPU tensors of ``rank`` (3 L of them)."""
@@ -364,8 +371,7 @@ def extract_gpt_subnet(model: nn.Module, blocks: Sequence[Sequence[torch.Tensor]
     plan = _build_gpt_plan(model)
     if not isinstance(rescale, bool):
         raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
-    world = _check_blocks(types.SimpleNamespace(hidden_sizes=plan.widths), blocks, rank)
-    _check_world(plan, world)
+    world = _check_partition(plan, blocks, rank)
     rows, cols = _slice_indices(plan, [s.to(plan.device) for s in _rank_index_sets(plan, blocks, rank)])
     sliced_full, shared_full = _full_tensors(plan, model)
     nones = [None] * len(shared_full)
@@ -389,8 +395,7 @@ def write_back_gpt(model: nn.Module, subnet: GPTSubnet, blocks: Sequence[Sequenc
             tensor shapes do not match the block (checked before anything is written).
     """
     plan = _build_gpt_plan(model)
-    world = _check_blocks(types.SimpleNamespace(hidden_sizes=plan.widths), blocks, rank)
-    _check_world(plan, world)
+    world = _check_partition(plan, blocks, rank)
     if not isinstance(subnet, GPTSubnet):
         raise TypeError(f"subnet must be a GPTSubnet, got {type(subnet).__name__}")
     rows, cols = _slice_indices(plan, [s.to(plan.device) for s in _rank_index_sets(plan, blocks, rank)])

@@ -45,8 +45,8 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
        are views of it: nothing is packed), checks that every value received is
        finite, writes each rank's slices into the full model with
        :func:`slimcomm.ops.scatter_slices_multi` (disjoint: no averaging), and sets
-       every shared tensor to the mean of the ranks' trained copies (fp32, in rank
-       order, so every rank computes the same bits). Every rank then holds the
+       every shared tensor to the mean of the ranks' trained copies (summed in fp64
+       in rank order, so every rank computes the same bits). Every rank then holds the
        same full model, and a new partition is drawn.
 
     Scaling and learning rate: with ``rescale`` the subnet multiplies its head
@@ -432,12 +432,14 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
             for r in range(w):
                 ops.scatter_slices_multi(sliced_full, self._rows[r], self._cols[r],
                                          gathered[r, :self._slice_numel[r]])
-            acc = gathered[0, self._slice_numel[0]:self.payload_numel(0)].float()
-            for r in range(1, w):
-                acc = acc + gathered[r, self._slice_numel[r]:self.payload_numel(r)].float()
+            # fp64 sum in rank order: the same bits on every rank, and W equal values
+            # (an untrained tensor) average back to exactly that value.
+            acc = gathered[0, self._slice_numel[0]:self.payload_numel(0)]
             if w > 1:
-                acc = acc / w
-            acc = acc.to(plan.dtype)
+                acc = acc.double()
+                for r in range(1, w):
+                    acc = acc + gathered[r, self._slice_numel[r]:self.payload_numel(r)].double()
+                acc = (acc / w).to(plan.dtype)
             torch._foreach_copy_([t.view(-1) for t in shared_full],
                                  list(acc.split([t.numel() for t in shared_full])))
         self._rounds += 1

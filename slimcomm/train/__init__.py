@@ -37,6 +37,11 @@ Methods (``--method``; ``--compare`` takes a comma-separated list):
               for ``--local-steps`` steps, then one collective re-assembles the model;
               gradients scaled so one lr serves every world size (``--no-scale-grads``:
               the original update), ``--ist-shared F`` for overlapping subnets.
+              With ``--model gpt``: :class:`slimcomm.ist.GPTISTTrainer`, the
+              attention heads and FFN neurons of every block partitioned,
+              embeddings, LayerNorms, residual biases and the head averaged
+              (sent whole in the same all-gather); ``--grad-clip`` clips
+              each rank's subnet gradient.
 ========== ===================================================================
 
 Bytes sent per rank
@@ -60,7 +65,7 @@ rank sends nothing). Per method:
 * ``topk`` / ``slimdp``: the hook's ``state.stats`` byte counter.
 * ``topk``'s all-gather counts this rank's own (index, value) pairs.
 * ``ist``: per synchronisation round, the padded buffer of this rank's
-  trained slices handed to the one ``all_gather`` (``ISTStats.bytes_sent``
+  trained slices (with the GPT: plus the shared tensors) handed to the one ``all_gather`` (``ISTStats.bytes_sent``
   divided by ``W - 1``, its ring traffic factor).
 
 Launching

@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SlimDPOptimizer(error_feedback=False): drop what the compression did not send "
                         "(for measurements; error feedback is the default)")
 
-    g = p.add_argument_group("ist (slimcomm.ist.ISTTrainer)")
+    g = p.add_argument_group("ist (slimcomm.ist.ISTTrainer; --model gpt: slimcomm.ist.GPTISTTrainer)")
     g.add_argument("--local-steps", type=_positive_int("--local-steps"), default=10,
                    help="local steps per synchronisation round")
     g.add_argument("--ist-shared", type=_float_range("--ist-shared", 0.0, 1.0), default=0.0, metavar="F",
@@ -487,8 +487,8 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     Raises:
         SystemExit: ``"error: ..."`` naming the flag, when an option does not
             apply to the chosen model, optimizer or method, or options
-            contradict each other (``--method ist`` without ``--model mlp``,
-            ``--grad-clip`` with ist, ``--steps`` with ``--epochs``,
+            contradict each other (``--method ist`` with ``--model cnn``,
+            ``--grad-clip`` or ``--ist-shared`` with ist where they do not apply, ``--steps`` with ``--epochs``,
             ``--min-lr`` above ``--lr`` or without a cosine schedule,
             ``--n-embd`` not a multiple of ``--n-head``, ``--warmup-lr-steps``
             beyond ``--steps``).
@@ -502,9 +502,12 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     model = getattr(args, "model", None) or "mlp"
     args.model = model
     lm = model == "gpt"
-    if args.method == "ist" and model != "mlp":
-        bad(f"--method ist needs --model mlp (IST partitions the hidden neurons of an nn.Sequential MLP); "
-            f"got --model {model}")
+    if args.method == "ist" and model not in ("mlp", "gpt"):
+        bad(f"--method ist needs --model mlp or gpt (IST partitions the hidden neurons of an nn.Sequential "
+            f"MLP, or the attention heads and FFN neurons of the GPT's blocks); got --model {model}")
+    if args.method == "ist" and lm and getattr(args, "ist_shared", 0.0):
+        bad("--ist-shared applies to --method ist with --model mlp; the GPT's IST (GPTISTTrainer) "
+            "partitions heads and FFN neurons without shared ones")
     if lm:
         for name in _IMAGE_ONLY:
             if given(name):
@@ -583,7 +586,7 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.core_ratio = sync.get("core_ratio", 0.01) if sync else 0.01
     if not given("explore_ratio"):
         args.explore_ratio = sync.get("explore_ratio", 0.01) if sync else 0.01
-    if args.method == "ist" and args.grad_clip > 0:
-        bad("--grad-clip does not apply to --method ist (ISTTrainer.step runs backward and the optimizer step "
-            "itself)")
+    if args.method == "ist" and args.grad_clip > 0 and not lm:
+        bad("--grad-clip does not apply to --method ist with --model mlp (ISTTrainer.step runs backward and the "
+            "optimizer step itself; with --model gpt, GPTISTTrainer clips each rank's subnet gradient)")
     return args
