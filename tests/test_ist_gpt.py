@@ -288,6 +288,39 @@ def test_bit_exact_resume_mid_round():
     assert run_workers(_resume_body, 2, timeout=180) == [(True, 3, 8)] * 2
 
 
+def _uneven_body(rank, world_size, case):
+    m = _gpt(seed=0)
+    tr = GPTISTTrainer(m, _adamw, local_steps=3, timeout=30)
+    n = 5 if rank == 0 else 8
+
+    def loop():
+        for t in range(n):
+            if t == 4:
+                tr.optimizer.zero_grad(set_to_none=True)   # the trainer re-attaches its views
+            tr.step(*_batch(rank, t), _loss)
+
+    try:
+        if case == "join":
+            with tr.join():
+                loop()
+        else:
+            loop()
+            tr.synchronize()
+        err = None
+    except CollectiveError as exc:
+        err = str(exc)
+    return dict(err=err, round=tr.round, final=_flat_model(m))
+
+
+def test_uneven_inputs_raise_on_every_rank_and_join_handles_them():
+    res = run_workers(_uneven_body, 2, "plain", timeout=120)
+    assert all(r["err"] is not None and "different points" in r["err"] for r in res), res
+    res = run_workers(_uneven_body, 2, "join", timeout=120)
+    assert res[0]["err"] is None and res[1]["err"] is None, res
+    assert res[0]["round"] == res[1]["round"] == 3     # rounds end at steps 3, 6 and 8
+    assert torch.equal(res[0]["final"], res[1]["final"])
+
+
 def _bytes_body(rank, world_size):
     handed = []
     real = _comm.all_gather

@@ -275,7 +275,8 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
             self._reread_model()
         sub = self._subnet
         sub.train(self.model.training)
-        if any(p.grad is not v for p, v in self._grad_views):
+        first = self._grad_views[0] if self._grad_views else None
+        if first is not None and first[0].grad is not first[1]:
             self._attach_grads()   # someone dropped the views (e.g. zero_grad(set_to_none=True))
         self._gflat.zero_()
         loss = loss_fn(sub(inputs), targets)
