@@ -313,8 +313,11 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
         Cost: one 80-byte agreement all-reduce (one host read), one pad, ONE
         ``all_gather``, one host read of the finiteness check, one
         ``scatter_slices_multi`` per rank, the shared tensors' mean (a sum over
-        ranks, one ``_foreach_copy_``), then the next round's partition (host
-        ``randperm`` per block and width) and one ``gather_slices_multi``.
+        ranks, one ``_foreach_copy_``), then the next round's partition: host-side
+        work on small CPU index tensors (a ``randperm`` per block and width, a few
+        index ops per block and rank), ONE host-to-device copy of every rank's
+        indices, one ``gather_slices_multi`` and the subnet's parameter views (a
+        Python loop over its tensors, once per round, never per step).
 
         Raises:
             CollectiveError: a collective failed or timed out, the ranks reached it
