@@ -321,6 +321,31 @@ def test_uneven_inputs_raise_on_every_rank_and_join_handles_them():
     assert torch.equal(res[0]["final"], res[1]["final"])
 
 
+def _grad_scale_body(rank, world_size):
+    m = _gpt(seed=0, n_head=4)
+    tr = GPTISTTrainer(m, lambda p: torch.optim.SGD(p, lr=0.0), local_steps=5, timeout=30)
+    x, y = _batch(rank, 0)
+    tr.step(x, y, _loss)
+    ref = extract_gpt_subnet(m, tr.blocks, rank)          # the same subnet, unscaled gradients
+    _loss(ref(x), y).backward()
+    out = {}
+    for name in ref._names:
+        got, raw = tr.subnet.tensor(name).grad, ref.tensor(name).grad
+        out[name] = (torch.equal(got, raw * 0.5), torch.equal(got, raw), bool(raw.abs().sum() > 0))
+    return out
+
+
+def test_gradients_of_sliced_tensors_are_scaled_by_their_share():
+    """2 ranks, 4 heads and 64 FFN neurons: c = 2 everywhere, so every sliced tensor's
+    gradient is exactly half the subnet's raw gradient and every shared one is unscaled."""
+    for res in run_workers(_grad_scale_body, 2, timeout=120):
+        plan = _build_gpt_plan(_gpt(n_head=4))
+        for s in plan.sliced:
+            assert res[s.name][0] and res[s.name][2], s.name
+        for name in plan.shared:
+            assert res[name][1] and res[name][2], name
+
+
 def _bytes_body(rank, world_size):
     handed = []
     real = _comm.all_gather
