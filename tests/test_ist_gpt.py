@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from _dist import WorkerError, run_workers
+from _dist import run_workers
 from slimcomm import _comm
 from slimcomm._comm import CollectiveError
-from slimcomm.ist import GPTISTTrainer, GPTSubnet, extract_gpt_subnet, partition, write_back_gpt
+from slimcomm.ist import GPTISTTrainer, extract_gpt_subnet, partition, write_back_gpt
 from slimcomm.ist.transformer import _build_gpt_plan
 from slimcomm.train.workloads.models import GPT
 

@@ -408,6 +408,7 @@ def _no_env(monkeypatch):
     (["--momentum", "nan"], "--momentum"),
     (["--target-loss", "0"], "--target-loss"),
     (["--model", "gpt", "--method", "ist", "--ist-shared", "0.2"], "--ist-shared"),
+    (["--model", "gpt", "--method", "ist", "--world-size", "4"], "--n-head 3 is smaller than --world-size 4"),
     (["--model", "cnn", "--method", "ist"], "--method ist needs --model mlp or gpt"),
     (["--model", "cnn", "--compare", "ddp,ist"], "--method ist needs --model mlp or gpt"),
     (["--model", "gpt", "--n-embd", "30", "--n-head", "4"], "--n-embd 30"),

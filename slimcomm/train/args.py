@@ -524,6 +524,10 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
             args.dropout = 0.0
         if args.n_embd % args.n_head:
             bad(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+        ws = getattr(args, "world_size", None)
+        if args.method == "ist" and ws is not None and args.n_head < ws:
+            bad(f"--method ist --model gpt gives every rank at least one attention head: --n-head "
+                f"{args.n_head} is smaller than --world-size {ws}")
         if args.warmup_lr_steps > args.steps:
             bad(f"--warmup-lr-steps {args.warmup_lr_steps} exceeds --steps {args.steps}")
     else:
