@@ -459,3 +459,14 @@ def test_training_command_ist_gpt(tmp_path):
     assert 0 < sent < res["final"]["dense_bytes_per_rank"]
     assert sent == res["stats"]["bytes_sent"]   # (W - 1) = 1
     assert all(math.isfinite(e["val_loss"]) for e in res["evals"])
+
+
+def test_report_script_reads_the_committed_results():
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    dirs = [os.path.join("bench", "results", "ist_gpt", d) for d in ("w2_s300", "w4_s200")]
+    r = subprocess.run([sys.executable, os.path.join("bench", "ist_gpt_report.py"), *dirs], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    committed = open(os.path.join(REPO, "bench", "results", "ist_gpt.md")).read()
+    assert r.stdout.strip() in committed    # the committed tables are this script's output
+    assert r.stdout.count("| 100mbit |") == 4
