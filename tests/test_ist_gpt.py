@@ -166,6 +166,24 @@ def test_world_size_one_equals_plain_training():
     assert _equal(_state(ref), _state(m))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_round_trip_and_training(dtype):
+    m = _gpt().to(dtype)
+    before = _state(m)
+    blocks = partition(_build_gpt_plan(m).widths, 2, 3, 0)
+    for r in range(2):
+        sub = extract_gpt_subnet(m, blocks, r)
+        assert sub.flat.dtype == dtype
+        write_back_gpt(m, sub, blocks, r)
+    assert _equal(before, _state(m))
+    tr = GPTISTTrainer(m, lambda p: torch.optim.SGD(p, lr=0.1), local_steps=2, max_grad_norm=1.0)
+    for t in range(4):
+        assert math.isfinite(tr.step(*_batch(0, t), lambda lo, y: _loss(lo.float(), y)))
+    assert tr.stats.rounds == 2 and tr.skipped_steps == 0
+    assert all(p.dtype == dtype and bool(torch.isfinite(p).all()) for p in m.parameters())
+    assert not _equal(before, _state(m))
+
+
 def test_non_finite_step_is_skipped_and_leaves_weights_finite():
     m = _gpt()
     tr = GPTISTTrainer(m, _adamw, local_steps=4)
