@@ -488,3 +488,54 @@ def test_report_script_reads_the_committed_results():
     committed = open(os.path.join(REPO, "bench", "results", "ist_gpt.md")).read()
     assert r.stdout.strip() in committed    # the committed tables are this script's output
     assert r.stdout.count("| 100mbit |") == 4
+
+
+def _sync_op_counts(rank, world_size, n_layer):
+    from slimcomm._opcount import OpCounter
+    from slimcomm.ist import transformer_trainer as tt
+
+    m = _gpt(n_layer=n_layer, n_head=4)
+    tr = GPTISTTrainer(m, lambda p: torch.optim.SGD(p, lr=0.01), local_steps=2, timeout=60)
+    counter = OpCounter()
+    part = {"ops": 0}
+    real_partition = tt.partition
+
+    def counted_partition(*args, **kwargs):
+        before = counter.total
+        out = real_partition(*args, **kwargs)
+        part["ops"] += counter.total - before
+        return out
+
+    real_sync = tr.synchronize
+    rows = []
+
+    def counted_sync():
+        counter.reset()
+        part["ops"] = 0
+        with counter:
+            real_sync()
+        rows.append((counter.total - part["ops"], counter.host_syncs))
+
+    tr.synchronize = counted_sync
+    tt.partition = counted_partition
+    try:
+        for t in range(8):
+            tr.step(*_batch(rank, t), _loss)
+    finally:
+        tt.partition = real_partition
+    return rows
+
+
+def test_synchronize_ops_do_not_grow_with_depth():
+    """Every synchronize after the first (whose subnet widths were not cached yet): the same
+    number of dispatched ops (partition's host ops excluded) at 1 and 3 blocks, and one
+    ``_local_scalar_dense`` (the finiteness check of the gathered buffer; the agreement's
+    counter read is a ``.tolist()`` of a CPU tensor, not dispatched)."""
+    steady = {}
+    for n_layer in (1, 3):
+        rows = run_workers(_sync_op_counts, 2, n_layer, timeout=120)[0]
+        assert len(rows) == 4
+        assert {r[1] for r in rows} == {1}, rows
+        assert len({r[0] for r in rows[1:]}) == 1, rows
+        steady[n_layer] = rows[1][0]
+    assert steady[1] == steady[3], steady

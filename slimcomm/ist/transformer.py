@@ -214,23 +214,39 @@ def _check_partition(plan: _GPTPlan, blocks: Any, rank: Any) -> int:
     return _check_blocks(types.SimpleNamespace(hidden_sizes=plan.widths), blocks, rank)
 
 
-def _rank_index_sets(plan: _GPTPlan, blocks: Sequence[Sequence[torch.Tensor]],
-                     rank: int) -> List[torch.Tensor]:
-    """Per block: ``[qkv rows, head columns, ffn]`` int64 CPU tensors of ``rank`` (3 L of them)."""
+def _index_sets(plan: _GPTPlan, blocks: Sequence[Sequence[torch.Tensor]], ranks: Sequence[int],
+                device: torch.device) -> List[List[torch.Tensor]]:
+    """Per rank in ``ranks``: ``[qkv rows, head columns, ffn]`` of every block (3 L int64
+    views on ``device``, in block order).
+
+    A constant number of dispatched ops whatever the depth and the number of ranks (a
+    gather builds every segment's q/k/v rows at once), ONE host-to-device copy and one
+    ``split``: with ``J`` (rank, block) segments of ``n_j = |heads| h`` head columns,
+    segment ``j``'s q/k/v rows are ``p d + cols_j`` for ``p`` = 0, 1, 2, in that order."""
     hd, d, L = plan.head_dim, plan.d, plan.n_layer
-    ar = torch.arange(hd, dtype=torch.int64)
-    parts = torch.arange(3, dtype=torch.int64)[:, None] * d
-    out: List[torch.Tensor] = []
-    for l in range(L):
-        heads = blocks[l][rank].to("cpu", torch.int64)
-        cols = (heads[:, None] * hd + ar[None, :]).reshape(-1)
-        out += [(parts + cols[None, :]).reshape(-1), cols, blocks[L + l][rank].to("cpu", torch.int64)]
-    return out
+    segs = [(r, l) for r in ranks for l in range(L)]
+    heads = torch.cat([blocks[l][r] for r, l in segs]).to("cpu", torch.int64)
+    cols = (heads[:, None] * hd + torch.arange(hd, dtype=torch.int64)[None, :]).reshape(-1)
+    n = [int(blocks[l][r].numel()) * hd for r, l in segs]
+    n_t = torch.tensor(n, dtype=torch.int64)
+    starts = torch.cumsum(n_t, 0) - n_t
+    seg = torch.repeat_interleave(torch.arange(len(segs)), 3 * n_t)        # segment of every row
+    at = torch.arange(3 * sum(n), dtype=torch.int64) - torch.repeat_interleave(3 * starts, 3 * n_t)
+    width = n_t[seg]
+    qkv = cols[starts[seg] + at % width] + (at // width) * d
+    ffn = [blocks[L + l][r] for r, l in segs]
+    flat = torch.cat([qkv, cols, torch.cat(ffn).to("cpu", torch.int64)])
+    if flat.device != device:
+        flat = flat.to(device, non_blocking=True)
+    views = flat.split([3 * k for k in n] + n + [int(f.numel()) for f in ffn])
+    J = len(segs)
+    return [[v for l in range(L) for v in (views[i * L + l], views[J + i * L + l], views[2 * J + i * L + l])]
+            for i in range(len(ranks))]
 
 
 def _slice_indices(plan: _GPTPlan, sets: Sequence[torch.Tensor]
                    ) -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
-    """rows / cols of every sliced tensor (plan order) from :func:`_rank_index_sets`'s list."""
+    """rows / cols of every sliced tensor (plan order) from one rank's :func:`_index_sets` list."""
     key = {"qkv": 0, "head": 1, "ffn": 2}
     rows = [None if s.rows is None else sets[3 * s.block + key[s.rows]] for s in plan.sliced]
     cols = [None if s.cols is None else sets[3 * s.block + key[s.cols]] for s in plan.sliced]
@@ -372,7 +388,7 @@ def extract_gpt_subnet(model: nn.Module, blocks: Sequence[Sequence[torch.Tensor]
     if not isinstance(rescale, bool):
         raise TypeError(f"rescale must be a bool, got {type(rescale).__name__}")
     world = _check_partition(plan, blocks, rank)
-    rows, cols = _slice_indices(plan, [s.to(plan.device) for s in _rank_index_sets(plan, blocks, rank)])
+    rows, cols = _slice_indices(plan, _index_sets(plan, blocks, [rank], plan.device)[0])
     sliced_full, shared_full = _full_tensors(plan, model)
     nones = [None] * len(shared_full)
     with torch.no_grad():
@@ -398,7 +414,7 @@ def write_back_gpt(model: nn.Module, subnet: GPTSubnet, blocks: Sequence[Sequenc
     world = _check_partition(plan, blocks, rank)
     if not isinstance(subnet, GPTSubnet):
         raise TypeError(f"subnet must be a GPTSubnet, got {type(subnet).__name__}")
-    rows, cols = _slice_indices(plan, [s.to(plan.device) for s in _rank_index_sets(plan, blocks, rank)])
+    rows, cols = _slice_indices(plan, _index_sets(plan, blocks, [rank], plan.device)[0])
     sliced_full, shared_full = _full_tensors(plan, model)
     names = [s.name for s in plan.sliced] + list(plan.shared)
     parts = []

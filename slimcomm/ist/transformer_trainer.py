@@ -6,7 +6,7 @@ shared through :mod:`slimcomm.ist.protocol` and :mod:`slimcomm.ist.checkpoint`).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from .partition import _check_int, partition
 from .protocol import _FP_ERROR, _ProtocolMixin
 from .stats import ISTStats
 from .transformer import (GPTSubnet, _build_gpt_plan, _check_world, _full_tensors, _make_subnet,
-                          _rank_index_sets, _slice_indices)
+                          _index_sets, _slice_indices)
 
 __all__ = ["GPTISTTrainer"]
 
@@ -115,6 +115,10 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
         RuntimeError: the ranks disagree on the model or settings.
     """
 
+    #: subnets kept for reuse, keyed by their widths (with widths not divisible by the world
+    #: size a rank alternates between two)
+    _CACHE = 2
+
     def __init__(
         self,
         model: nn.Module,
@@ -183,6 +187,7 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
         self._round = self._local_step = self._check_bytes = self._skipped = 0
         self._failed: Optional[str] = None
         self._joined = False
+        self._cache: Dict[Tuple[int, ...], Any] = {}
         self._broadcast = self._distributed and broadcast_model and self._world_size > 1
         if self._broadcast:
             self._broadcast_model()
@@ -313,11 +318,15 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
         Cost: one 80-byte agreement all-reduce (one host read), one pad, ONE
         ``all_gather``, one host read of the finiteness check, one
         ``scatter_slices_multi`` per rank, the shared tensors' mean (a sum over
-        ranks, one ``_foreach_copy_``), then the next round's partition: host-side
-        work on small CPU index tensors (a ``randperm`` per block and width, a few
-        index ops per block and rank), ONE host-to-device copy of every rank's
-        indices, one ``gather_slices_multi`` and the subnet's parameter views (a
-        Python loop over its tensors, once per round, never per step).
+        ranks, one more ``scatter_slices_multi``), then the next round's partition:
+        :func:`~slimcomm.ist.partition` on the host (a ``randperm`` per block and
+        width), the index sets of every rank in a constant number of ops on small
+        CPU tensors, ONE host-to-device copy of every rank's
+        indices and one ``gather_slices_multi`` into a cached subnet of the same
+        widths (one ``copy_``; a subnet and its parameter views are built only when
+        none is cached). Apart from :func:`~slimcomm.ist.partition`'s host ops the
+        number of dispatched ops does not grow with the depth
+        (``tests/test_ist_gpt.py``).
 
         Raises:
             CollectiveError: a collective failed or timed out, the ranks reached it
@@ -338,20 +347,15 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
                 f"step {self._steps})")
 
     def _begin_round(self) -> None:
-        """Draw the partition, build every rank's index tensors (one host-to-device copy),
-        cut this rank's subnet (one ``gather_slices_multi``), its flat gradients and a
-        fresh optimizer."""
+        """Draw the partition, build every rank's index tensors (:func:`_index_sets`: a
+        constant number of ops, one host-to-device copy), cut this rank's subnet (one
+        ``gather_slices_multi``; a cached subnet of the same widths is refilled with one
+        ``copy_`` and keeps its parameter and gradient views), and a fresh optimizer."""
         plan, w = self._plan, self._world_size
         self._blocks = partition(plan.widths, w, self.seed, self._round)
-        sets = [_rank_index_sets(plan, self._blocks, r) for r in range(w)]
-        flat_idx = torch.cat([s for per in sets for s in per])
-        if flat_idx.device != plan.device:
-            flat_idx = flat_idx.to(plan.device, non_blocking=True)
-        views = flat_idx.split([s.numel() for per in sets for s in per])
-        k = 3 * plan.n_layer
         self._rows, self._cols = [], []
-        for r in range(w):
-            rows, cols = _slice_indices(plan, views[r * k:(r + 1) * k])
+        for sets in _index_sets(plan, self._blocks, range(w), plan.device):
+            rows, cols = _slice_indices(plan, sets)
             self._rows.append(rows)
             self._cols.append(cols)
         sliced_full, shared_full = _full_tensors(plan, self.model)
@@ -361,24 +365,47 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
         with torch.no_grad():
             flat = ops.gather_slices_multi(sliced_full + shared_full, self._rows[self._rank] + nones,
                                            self._cols[self._rank] + nones)
-        self._subnet = _make_subnet(plan, self.model, self._blocks, self._rank, self.rescale, flat,
-                                    self._rows[self._rank], self._cols[self._rank])
-        self._gflat = torch.zeros_like(flat)
-        self._attach_grads()
-        self._gscale = None
-        if self.rescale and self.scale_grads and w > 1:
-            # 1 / c per entry of the sliced tensors (attention: n_head / |heads|; FFN:
-            # f / |neurons|), 1 for the shared ones: one repeat_interleave.
-            sub = self._subnet
-            factors, counts = [], []
-            for s, name in zip(plan.sliced, sub._names):
-                c = sub.attn_scale[s.block] if "attn" in name else sub.ffn_scale[s.block]
-                factors.append(1.0 / c)
-                counts.append(sub.tensor(name).numel())
-            factors.append(1.0)
-            counts.append(self._shared_numel)
-            self._gscale = torch.repeat_interleave(
-                torch.tensor(factors, dtype=plan.dtype), torch.tensor(counts)).to(plan.device)
+        L = plan.n_layer
+        key = tuple(int(self._blocks[j][self._rank].numel()) for j in range(2 * L))
+        entry = self._cache.pop(key, None)
+        if entry is not None and [p.data_ptr() for p in entry[0].parameters()] != entry[1]:
+            entry = None   # someone re-pointed a parameter of the cached subnet: rebuild it
+        if entry is not None:
+            # A subnet of these widths is cached: refill its flat buffer (one copy_) and
+            # re-attach its gradient views (attribute sets, no dispatched op).
+            sub = entry[0]
+            with torch.no_grad():
+                sub.flat.copy_(flat)
+            self._subnet, self._gflat, self._gscale = sub, entry[2], entry[3]
+            self._gflat.zero_()
+            for p, v in entry[4]:
+                p.grad = v
+            self._grad_views = entry[4]
+            sub.train(self.model.training)
+        else:
+            self._subnet = _make_subnet(plan, self.model, self._blocks, self._rank, self.rescale, flat,
+                                        self._rows[self._rank], self._cols[self._rank])
+            self._gflat = torch.zeros_like(flat)
+            self._attach_grads()
+            self._gscale = None
+            if self.rescale and self.scale_grads and w > 1:
+                # 1 / c per entry of the sliced tensors (attention: n_head / |heads|; FFN:
+                # f / |neurons|), 1 for the shared ones: one repeat_interleave.
+                sub = self._subnet
+                factors, counts = [], []
+                for s, name in zip(plan.sliced, sub._names):
+                    c = sub.attn_scale[s.block] if "attn" in name else sub.ffn_scale[s.block]
+                    factors.append(1.0 / c)
+                    counts.append(sub.tensor(name).numel())
+                factors.append(1.0)
+                counts.append(self._shared_numel)
+                self._gscale = torch.repeat_interleave(
+                    torch.tensor(factors, dtype=plan.dtype), torch.tensor(counts)).to(plan.device)
+            entry = (self._subnet, [p.data_ptr() for p in self._subnet.parameters()], self._gflat,
+                     self._gscale, self._grad_views)
+        self._cache[key] = entry
+        while len(self._cache) > self._CACHE:
+            self._cache.pop(next(iter(self._cache)))
         optimizer = self._factory(self._subnet.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer_factory must return a torch.optim.Optimizer, got "
@@ -444,8 +471,8 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
                 for r in range(1, w):
                     acc = acc + gathered[r, self._slice_numel[r]:self.payload_numel(r)].double()
                 acc = (acc / w).to(plan.dtype)
-            torch._foreach_copy_([t.view(-1) for t in shared_full],
-                                 list(acc.split([t.numel() for t in shared_full])))
+            nones = [None] * len(shared_full)   # whole tensors: one op, whatever the depth
+            ops.scatter_slices_multi(shared_full, nones, nones, acc)
         self._rounds += 1
         self._payload_bytes += mine * self._itemsize
         self._wire_bytes += (w - 1) * width * self._itemsize
