@@ -33,6 +33,7 @@ _LAZY = {
     "SlimDPState": ("slimcomm.hooks", "SlimDPState"),
     "slim_dp_hook": ("slimcomm.hooks", "slim_dp_hook"),
     "ISTTrainer": ("slimcomm.ist", "ISTTrainer"),
+    "GPTISTTrainer": ("slimcomm.ist", "GPTISTTrainer"),
     "SlimDPOptimizer": ("slimcomm.optim", "SlimDPOptimizer"),
     "SlimDPFSDPState": ("slimcomm.fsdp", "SlimDPFSDPState"),
     "register_slim_dp_hook": ("slimcomm.fsdp", "register_slim_dp_hook"),
@@ -41,7 +42,7 @@ _LAZY = {
 if _typing.TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from . import ops
     from .hooks import SlimDPState, slim_dp_hook
-    from .ist import ISTTrainer
+    from .ist import GPTISTTrainer, ISTTrainer
 
 
 def _available(module: str) -> bool:

@@ -98,7 +98,7 @@ def test_missing_extension_raises_import_error_on_use_only():
 
 @pytest.mark.parametrize("name,module", [
     ("ops", "slimcomm.ops"), ("SlimDPState", "slimcomm.hooks"),
-    ("slim_dp_hook", "slimcomm.hooks"), ("ISTTrainer", "slimcomm.ist"),
+    ("slim_dp_hook", "slimcomm.hooks"), ("ISTTrainer", "slimcomm.ist"), ("GPTISTTrainer", "slimcomm.ist"),
     ("SlimDPFSDPState", "slimcomm.fsdp"), ("register_slim_dp_hook", "slimcomm.fsdp"),
 ])
 def test_top_level_exports_are_the_module_objects(name, module):

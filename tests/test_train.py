@@ -292,7 +292,7 @@ def test_method_defaults(method, lr, momentum):
 # --model gpt / cnn, optimizers, schedules, refusals
 # ---------------------------------------------------------------------------
 
-LM_METHODS = [m for m in METHODS if m != "ist"]  # IST partitions MLP neurons only
+LM_METHODS = [m for m in METHODS if m != "ist"]  # GPT IST: tests/test_ist_gpt.py::test_training_command_ist_gpt
 GPT_TINY = ["--model", "gpt", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
             "--batch-size", "4", "--steps", "8", "--eval-every", "4", "--val-batches", "2",
             "--no-progress", "--threads", "1", "--timeout", "60"]
@@ -409,9 +409,10 @@ def _no_env(monkeypatch):
     (["--beta2", "1.5", "--optimizer", "adamw"], "--beta2"),
     (["--momentum", "nan"], "--momentum"),
     (["--target-loss", "0"], "--target-loss"),
-    (["--model", "gpt", "--method", "ist"], "--method ist needs --model mlp"),
-    (["--model", "cnn", "--method", "ist"], "--method ist needs --model mlp"),
-    (["--model", "gpt", "--compare", "ddp,ist"], "--method ist needs --model mlp"),
+    (["--model", "gpt", "--method", "ist", "--ist-shared", "0.2"], "--ist-shared"),
+    (["--model", "gpt", "--method", "ist", "--world-size", "4"], "--n-head 3 is smaller than --world-size 4"),
+    (["--model", "cnn", "--method", "ist"], "--method ist needs --model mlp or gpt"),
+    (["--model", "cnn", "--compare", "ddp,ist"], "--method ist needs --model mlp or gpt"),
     (["--model", "gpt", "--n-embd", "30", "--n-head", "4"], "--n-embd 30"),
     (["--model", "gpt", "--hidden", "8"], "--hidden"),
     (["--model", "gpt", "--epochs", "2"], "--epochs"),

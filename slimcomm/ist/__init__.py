@@ -134,7 +134,12 @@ The package, one job a module:
 * :mod:`~slimcomm.ist.protocol` -- the fingerprint agreement, the broadcast of rank 0's
   model, the per-round agreement of the counters, the failed state, ``join()``;
 * :mod:`~slimcomm.ist.checkpoint` -- ``state_dict`` / ``load_state_dict``;
-* :mod:`~slimcomm.ist.stats` -- :class:`ISTStats`.
+* :mod:`~slimcomm.ist.stats` -- :class:`ISTStats`;
+* :mod:`~slimcomm.ist.transformer` -- IST for a GPT's transformer blocks: which
+  tensors a partition of the attention heads and FFN neurons slices,
+  :class:`GPTSubnet`, :func:`extract_gpt_subnet`, :func:`write_back_gpt`;
+* :mod:`~slimcomm.ist.transformer_trainer` -- :class:`GPTISTTrainer` (the same
+  protocol and checkpoints as :class:`ISTTrainer`).
 """
 
 from .._comm import CollectiveError
@@ -149,6 +154,8 @@ from .extraction import (
 from .partition import partition, shared_counts
 from .stats import ISTStats
 from .trainer import ISTTrainer
+from .transformer import GPTSubnet, extract_gpt_subnet, write_back_gpt
+from .transformer_trainer import GPTISTTrainer
 
 __all__ = [
     "SUPPORTED_MODULES",
@@ -159,5 +166,9 @@ __all__ = [
     "InputScale",
     "ISTStats",
     "ISTTrainer",
+    "GPTISTTrainer",
+    "GPTSubnet",
+    "extract_gpt_subnet",
+    "write_back_gpt",
     "CollectiveError",
 ]

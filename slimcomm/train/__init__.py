@@ -37,6 +37,11 @@ Methods (``--method``; ``--compare`` takes a comma-separated list):
               for ``--local-steps`` steps, then one collective re-assembles the model;
               gradients scaled so one lr serves every world size (``--no-scale-grads``:
               the original update), ``--ist-shared F`` for overlapping subnets.
+              With ``--model gpt``: :class:`slimcomm.ist.GPTISTTrainer`, the
+              attention heads and FFN neurons of every block partitioned,
+              embeddings, LayerNorms, residual biases and the head averaged
+              (sent whole in the same all-gather); ``--grad-clip`` clips
+              each rank's subnet gradient.
 ``local``     no communication at all: each rank trains its own replica alone on
               its own shard (same initial weights, batch and optimizer settings as
               ``ddp`` by default). Not a way to train: its ms/step is the compute
@@ -66,7 +71,7 @@ rank sends nothing). Per method:
 * ``topk`` / ``slimdp``: the hook's ``state.stats`` byte counter.
 * ``topk``'s all-gather counts this rank's own (index, value) pairs.
 * ``ist``: per synchronisation round, the padded buffer of this rank's
-  trained slices handed to the one ``all_gather`` (``ISTStats.bytes_sent``
+  trained slices (with the GPT: plus the shared tensors) handed to the one ``all_gather`` (``ISTStats.bytes_sent``
   divided by ``W - 1``, its ring traffic factor).
 * ``local``: 0.
 

@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SlimDPOptimizer(error_feedback=False): drop what the compression did not send "
                         "(for measurements; error feedback is the default)")
 
-    g = p.add_argument_group("ist (slimcomm.ist.ISTTrainer)")
+    g = p.add_argument_group("ist (slimcomm.ist.ISTTrainer; --model gpt: slimcomm.ist.GPTISTTrainer)")
     g.add_argument("--local-steps", type=_positive_int("--local-steps"), default=10,
                    help="local steps per synchronisation round")
     g.add_argument("--ist-shared", type=_float_range("--ist-shared", 0.0, 1.0), default=0.0, metavar="F",
@@ -497,9 +497,9 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     Raises:
         SystemExit: ``"error: ..."`` naming the flag, when an option does not
             apply to the chosen model, optimizer or method, or options
-            contradict each other (``--method ist`` without ``--model mlp``,
+            contradict each other (``--method ist`` with ``--model cnn``,
             ``--method local`` with ``--sync-every``/``--outer-lr``/... or ``--core-ratio``/``--explore-ratio``,
-            ``--grad-clip`` with ist, ``--steps`` with ``--epochs``,
+            ``--grad-clip`` or ``--ist-shared`` with ist where they do not apply, ``--steps`` with ``--epochs``,
             ``--min-lr`` above ``--lr`` or without a cosine schedule,
             ``--n-embd`` not a multiple of ``--n-head``, ``--warmup-lr-steps``
             beyond ``--steps``).
@@ -513,9 +513,12 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     model = getattr(args, "model", None) or "mlp"
     args.model = model
     lm = model == "gpt"
-    if args.method == "ist" and model != "mlp":
-        bad(f"--method ist needs --model mlp (IST partitions the hidden neurons of an nn.Sequential MLP); "
-            f"got --model {model}")
+    if args.method == "ist" and model not in ("mlp", "gpt"):
+        bad(f"--method ist needs --model mlp or gpt (IST partitions the hidden neurons of an nn.Sequential "
+            f"MLP, or the attention heads and FFN neurons of the GPT's blocks); got --model {model}")
+    if args.method == "ist" and lm and getattr(args, "ist_shared", 0.0):
+        bad("--ist-shared applies to --method ist with --model mlp; the GPT's IST (GPTISTTrainer) "
+            "partitions heads and FFN neurons without shared ones")
     if lm:
         for name in _IMAGE_ONLY:
             if given(name):
@@ -532,6 +535,10 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
             args.dropout = 0.0
         if args.n_embd % args.n_head:
             bad(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
+        ws = getattr(args, "world_size", None)
+        if args.method == "ist" and ws is not None and args.n_head < ws:
+            bad(f"--method ist --model gpt gives every rank at least one attention head: --n-head "
+                f"{args.n_head} is smaller than --world-size {ws}")
         if args.warmup_lr_steps > args.steps:
             bad(f"--warmup-lr-steps {args.warmup_lr_steps} exceeds --steps {args.steps}")
     else:
@@ -610,7 +617,7 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
         bad(f"--delay-steps applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
     if not given("delay_steps"):
         args.delay_steps = 0
-    if args.method == "ist" and args.grad_clip > 0:
-        bad("--grad-clip does not apply to --method ist (ISTTrainer.step runs backward and the optimizer step "
-            "itself)")
+    if args.method == "ist" and args.grad_clip > 0 and not lm:
+        bad("--grad-clip does not apply to --method ist with --model mlp (ISTTrainer.step runs backward and the "
+            "optimizer step itself; with --model gpt, GPTISTTrainer clips each rank's subnet gradient)")
     return args

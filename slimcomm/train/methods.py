@@ -1,7 +1,8 @@
 """How each method of :mod:`slimcomm.train` trains: the model wrapping, the optimizer, the schedule, the bytes.
 
 :class:`_Method` wraps the model for one ``--method`` (DDP with a comm hook,
-an :class:`~slimcomm.ist.ISTTrainer`, or a synchronising optimizer from
+an :class:`~slimcomm.ist.ISTTrainer` or, for the GPT,
+:class:`~slimcomm.ist.GPTISTTrainer`, or a synchronising optimizer from
 ``SYNC_OPTIMIZER_BUILDERS``), builds the optimizer (:func:`_make_optimizer`)
 and its learning-rate schedule (:func:`lr_factor`), runs one training step and
 counts the bytes sent per rank by the definition in :mod:`slimcomm.train`'s
@@ -152,6 +153,21 @@ class _Method:
 
         self._factor = factor
         m = self.name
+        if m == "ist" and args.model == "gpt":
+            from ..ist import GPTISTTrainer
+
+            # Heads and FFN neurons of every block partitioned over the ranks; embeddings,
+            # LayerNorms, residual-projection biases and the head averaged at each round.
+            # --grad-clip clips each rank's subnet gradient (on the device).
+            self.trainer = GPTISTTrainer(
+                model,
+                lambda params: _make_optimizer(params, args, lr=args.lr * factor(self.steps)),
+                local_steps=args.local_steps,
+                seed=args.seed,
+                scale_grads=not args.no_scale_grads,
+                max_grad_norm=self.clip if self.clip > 0 else None,
+            )
+            return
         if m == "ist":
             from ..ist import ISTTrainer
 
