@@ -240,3 +240,34 @@ def test_swap_sync_estimate_is_the_reference_for_the_same_run():
     assert with_codec["run"][0] == pytest.approx(24.0 + 240 // 24, rel=1e-12)
     with pytest.raises(ValueError, match="rate"):
         S.estimate(run, ref, "10gbit", [0.0])
+
+
+def test_delayed_hook_pays_only_the_latency_that_outlasts_its_step():
+    """delay_steps=1: the payload all-reduce (14 hops at 8 ranks) overlaps a 0.1 s step; the
+    checksum all-reduces (48 counted over 480 steps: 0.1 a step) do not."""
+    stats = {"total": {"checks": 48}}
+    run = _run("slimdp", stats=stats, delay_steps=1)
+    run["link"] = {"rate": "1gbit"}
+    link = P.EMULATED_LINKS["1gbit"]["allreduce"]
+    c0 = link.allreduce_s(1000.0, 8, 1.0)  # 1000 payload bytes a step
+    for d in (0.002, 0.005, 0.05):
+        want = max(0.0, c0 + 14 * d - 0.1) - max(0.0, c0 - 0.1) + 0.1 * 14 * d
+        got = P.delayed_result(run, d)
+        assert got["final"]["train_time_s"] == pytest.approx(0.1 * 480 + want * 480)
+        plain = P.delayed_result(_run("slimdp", stats=stats), d)
+        assert got["final"]["train_time_s"] <= plain["final"]["train_time_s"]
+    # 2 ms: 28 ms of hops hide inside the 100 ms step; only the checksums' latency is added
+    assert P.delayed_result(run, 0.002)["final"]["train_time_s"] == pytest.approx(48 + 0.1 * 14 * 0.002 * 480)
+    assert P.delayed_result(run, 0.0)["final"]["train_time_s"] == 48.0
+
+
+def test_project_result_overlaps_a_delayed_hooks_payload():
+    run = _run("slimdp", stats={"total": {"checks": 48}}, delay_steps=1)
+    loop = P.LinkModel(alpha_s=0.0, goodput_bps=1e12)
+    fast = P.project_result(run, "1gbit", loop)
+    slow = P.project_result(run, "100mbit", loop)
+    plain = P.project_result(_run("slimdp", stats={"total": {"checks": 48}}), "100mbit", loop)
+    # 1000 bytes a step: the transfer hides behind the 0.1 s step on either link
+    assert fast["train_time_s"] == pytest.approx(48.0 + 0.1 * 480 * 14 * 0.71e-3, rel=1e-6)
+    assert slow["train_time_s"] == pytest.approx(48.0, rel=1e-6)
+    assert slow["train_time_s"] < plain["train_time_s"]

@@ -351,7 +351,9 @@ def delayed_result(result: Dict[str, Any], delay_s: float, current_code: bool = 
     :func:`delay_s_at` at its step; bytes and scores stay. The times of ``result`` are the
     run's own (measured, or projected by ``bench/netbench_projection.py``) at delay 0; the copy
     records ``"delay": {"one_way_s", "hops_per_step", "source"}``. ``delay_s == 0`` returns the
-    same times exactly. ``current_code``: count the calls the current code makes
+    same times exactly. A run of the Slim-DP hook with ``delay_steps=1`` overlaps its payload
+    all-reduce with the next step, so only what outlasts the step is added
+    (:func:`_overlapped_delay`; ``hops_per_step`` is then the effective count). ``current_code``: count the calls the current code makes
     (:func:`collective_calls`).
 
     Raises:
@@ -360,6 +362,9 @@ def delayed_result(result: Dict[str, Any], delay_s: float, current_code: bool = 
     if not (math.isfinite(delay_s) and delay_s >= 0):
         raise ValueError(f"delay_s: expected a finite number of seconds >= 0, got {delay_s!r}")
     hps = hops_per_step(result, current_code)
+    overlap = _overlapped_delay(result, delay_s)
+    if overlap is not None:  # the per-step seconds the delay adds, already multiplied out
+        hps = overlap / delay_s if delay_s else hps
     r = copy.deepcopy(result)
     for e in r.get("evals") or []:
         e["train_time_s"] = e["train_time_s"] + delay_s * hps * e["step"]
@@ -372,6 +377,31 @@ def delayed_result(result: Dict[str, Any], delay_s: float, current_code: bool = 
         t["train_time_s"] = t["train_time_s"] + delay_s * hps * int(t["step"])
     r["delay"] = {"one_way_s": delay_s, "hops_per_step": hps, "source": "projected" if delay_s else "as run"}
     return r
+
+
+def _overlapped_delay(run: Dict, delay_s: float) -> Optional[float]:
+    """Seconds per step a one-way delay adds to a run of the Slim-DP hook with
+    ``delay_steps=1`` (else None): its ``B`` payload all-reduces of step ``t`` overlap step
+    ``t + 1``'s computation, so they cost time only where they outlast the step:
+    ``max(0, c0 + 2 (W-1) B d - T0)``, with ``T0`` the run's measured seconds per step and
+    ``c0`` the modelled time of its payload all-reduces on its link (``run["link"]["rate"]``
+    in :data:`EMULATED_LINKS`, else 0); the small checksum all-reduces at core refreshes are
+    not overlapped and pay ``2 (W-1) d`` each."""
+    cfg = run.get("config") or {}
+    if run.get("method") != "slimdp" or not cfg.get("delay_steps"):
+        return None
+    w = int(run["world_size"])
+    steps = max(1, int(run.get("steps") or 0))
+    b = float(_buckets(run))
+    calls = collective_calls(run)
+    small = max(0.0, calls["allreduce"] - b)
+    t0 = float(run["final"]["train_time_s"]) / steps
+    rate = (run.get("link") or {}).get("rate")
+    sent = float(run["final"].get("bytes_sent_per_rank") or 0.0) / steps
+    link = EMULATED_LINKS.get(rate, {}).get("allreduce") if rate else None
+    c0 = link.allreduce_s(sent, w, b) if link is not None else 0.0
+    hop = ring_hops("allreduce", w) * delay_s
+    return max(0.0, c0 + hop * b - t0) - max(0.0, c0 - t0) + small * hop
 
 
 _DELAY_UNITS = {"ms": 1e-3, "us": 1e-6, "s": 1.0}
@@ -555,7 +585,15 @@ def project_result(result: Dict[str, Any], rate: str, ran_on: LinkModel,
     kind = pattern_of(result["method"], result.get("config"))
     w = int(result["world_size"])
     per_step = collectives_per_step(result)
-    at = {k: c + link.collective_s(kind, b, w, per_step * k) for k, c, b in run_compute_s(result, ran_on)}
+    if result.get("method") == "slimdp" and (result.get("config") or {}).get("delay_steps"):
+        # delay_steps=1: the payload all-reduces overlap the next step's computation, so a step
+        # takes the longer of the two; the small checksum all-reduces do not overlap
+        nb = float(_buckets(result))
+        small = max(0.0, collective_calls(result)["allreduce"] - nb)
+        at = {k: max(c, link.allreduce_s(b, w, nb * k)) + link.latency_s("allreduce", w, small * k)
+              for k, c, b in run_compute_s(result, ran_on)}
+    else:
+        at = {k: c + link.collective_s(kind, b, w, per_step * k) for k, c, b in run_compute_s(result, ran_on)}
     ttt = result.get("time_to_target")
     return {"rate": rate, "source": "projected", "delay_s": delay_s,
             "train_time_s": at[int(result["steps"])],
