@@ -94,12 +94,16 @@ def test_step_encode_matches_reference(bdt, wdt, with_acc, scale, decay, accumul
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bdt", DTYPES)
 @pytest.mark.parametrize("pattern", ["random", "zeros_seg", "nonfinite_late", "inf_only"])
-def test_step_encode_flags_across_chunks(bdt, pattern, threads):
+@pytest.mark.parametrize("numels", [
+    [70_000, 3, 150_000, 0, 40_000],      # several 32K-element chunks per segment
+    [700_001, 3, 450_002, 0, 40_000],     # >= 2**20 elements: the accumulator is streamed
+], ids=["chunks", "streamed"])
+def test_step_encode_flags_across_chunks(bdt, pattern, threads, numels):
     """The fused accumulate + flags pass splits the buffer into parallel chunks at
     segment boundaries; a segment spanning several chunks must combine their flags
-    (NaN from any chunk, nonzero from any chunk) exactly like the reference."""
+    (NaN from any chunk, nonzero from any chunk) exactly like the reference. Large
+    buffers write the accumulator with streaming stores, from unaligned segment starts."""
     rng = np.random.default_rng(5)
-    numels = [70_000, 3, 150_000, 0, 40_000]  # several 32K-element chunks per segment
     offsets, idx = _layout(numels, rng, frac=0.02)
     n = int(offsets[-1])
     buf = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
@@ -112,6 +116,7 @@ def test_step_encode_flags_across_chunks(bdt, pattern, threads):
     elif pattern == "inf_only":
         buf[o[2]:o[3]] = 0
         buf[o[2] + 100_000] = float("inf")
+    assert (n >= 2**20) == (numels[0] > 100_000)
     buf = buf.to(bdt)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
