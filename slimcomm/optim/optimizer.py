@@ -21,6 +21,7 @@ from .checkpoint import _CheckpointMixin
 from .groups import COMPRESSIONS, _GroupsMixin, _inner_size
 from .nonfinite import _NonfiniteMixin
 from .protocol import _ProtocolMixin
+from . import sharded as _sharded
 
 __all__ = ["SlimDPOptimizer", "COMPRESSIONS", "CollectiveError"]
 
@@ -149,7 +150,9 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         timeout: Optional[float] = 300.0,
         lowbit_collective: str = "all_reduce",
     ):
+        process_group = _sharded.as_process_group(process_group)
         self.process_group = process_group
+        self._sharding = None
         self._failed: Optional[str] = None
         self._joined = False
         error: Optional[BaseException] = None
@@ -167,6 +170,9 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
                 else model
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            # FSDP2 (DTensor) parameters: everything below works on this rank's local shards
+            self._sharding = _sharded.inspect(named, process_group)
+            local_named = [(n, _sharded.local(p)) for n, p in named]
             self.compression = compression
             dense = compression == "dense"
             self.compressor = SlimDPCompressor(
@@ -193,14 +199,17 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             # its codes are sent, so every group can share one (memory: outer + residual)
             self._deferred = dense and value_bits is not None and \
                 lowbit_collective == "all_reduce"
-            self._groups = self._make_groups(named, bucket_cap_mb,
-                                             share_scratch=self._deferred)
+            self._groups = self._make_groups(local_named, bucket_cap_mb,
+                                             share_scratch=self._deferred,
+                                             keys=[p for _, p in named])
             # the groups too: each is one collective, so groups that differ across ranks
             # (bucket_cap_mb) would mismatch their sizes (gloo aborts the process)
             hp = (sync_every, compression, self.outer_lr, self.outer_momentum, self.nesterov,
                   self.compressor._hyperparameters(),
                   [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
-                  [g.key for g in self._groups])
+                  [g.key for g in self._groups],
+                  None if self._sharding is None else
+                  (self._sharding.fingerprint(), [tuple(p.shape) for _, p in local_named]))
             fingerprint = zlib.crc32(repr(hp).encode())
         except ValueError as exc:
             error = exc
@@ -294,8 +303,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                                  "GradScaler.step(opt)")
             grad_scale = getattr(self, "grad_scale", None)
             if grad_scale is not None:  # not unscaled yet: do what GradScaler.unscale_ does
-                grads = [p.grad for g in self.inner.param_groups for p in g["params"]
-                         if p.grad is not None]
+                grads = [_sharded.local(p.grad) for g in self.inner.param_groups
+                         for p in g["params"] if p.grad is not None]
                 inv = grad_scale.double().reciprocal().float()
                 dummy = torch.zeros((), dtype=torch.float32, device=inv.device)
                 for dev in {gr.device for gr in grads}:
