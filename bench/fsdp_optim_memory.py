@@ -132,9 +132,8 @@ def main(argv=None):
             f"| {R} x {S} | {hi['local']:,} | {hi['outer']:,} | {hi['compressor']:,} | "
             f"{hi['inner']:,} | {hi['total']:,} | {lo:,} | "
             f"{hi['total'] / hi['local']:.1f} | {hi['total'] / base:.3f} |")
-    lines += ["", "The state is per local shard: per rank it falls as ~1/S (the small rest: "
-              "per-parameter core index sets of at least one element, and padding-free "
-              "uneven chunks).", ""]
+    lines += ["", "Every buffer is the size of the rank's local shard, so the state per rank "
+              "falls as 1/S at a constant number of bytes per local parameter.", ""]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines))

@@ -131,6 +131,9 @@ COMPRESSED = {
                          error_decay=0.95),
     "dense 2-bit (default collective)": dict(compression="dense", value_bits=2, quant_chunk=16,
                                              outer_momentum=0.5, nesterov=True),
+    # one group per parameter: shard 1's groups of the 1-row last layer are empty
+    "shared sparse, tiny buckets": dict(compression="shared", core_ratio=0.2,
+                                        explore_ratio=0.1, bucket_cap_mb=1e-4),
 }
 
 
@@ -145,7 +148,7 @@ def _compressed_case(rank, world_size, syncs, H):
         with torch.no_grad(), opt.outer_weights() as m:
             outer = _local(m)
         out[name] = dict(before=before, after=_local(model), outer=outer, loss=loss,
-                         stats=opt.stats,
+                         stats=opt.stats, groups=[g.outer.numel() for g in opt._groups],
                          numel=[p.to_local().numel() for p in model.parameters()])
     return out
 
@@ -154,6 +157,7 @@ def test_compressed_replicas_identical_across_the_replicate_dimension():
     syncs, H = 4, 3
     res = run_workers(_compressed_case, 4, syncs, H, timeout=300)
     assert res[1]["shared sparse"]["numel"][-1] == 0  # shard 1 of the 1-row bias: empty
+    assert 0 in res[1]["shared sparse, tiny buckets"]["groups"]  # and whole groups empty
     for name in COMPRESSED:
         for r in res:
             st = r[name]["stats"]
@@ -264,6 +268,17 @@ def _bad_case(rank, world_size):
     fully_shard(part[0], mesh=mesh["shard"])  # root not sharded: plain parameters
     attempt("dtensor and plain", part, mesh["replicate"])
     attempt("2-D mesh as process_group", _shard(_model(), mesh["shard"]), mesh)
+    # replica peers at different shard positions (rank 0 holds shard 0, rank 3 shard 1):
+    # each group meets the shard group in this rank only, so only the comparison of the
+    # ranks' configurations (shard position, local shapes) can tell
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    model = _shard(_model(), mesh["shard"])
+    try:
+        SlimDPOptimizer(model, torch.optim.AdamW(model.parameters()),
+                        process_group=crossed[rank in (1, 2)])
+        out["crossed"] = None
+    except RuntimeError as exc:
+        out["crossed"] = str(exc)
     return out
 
 
@@ -279,6 +294,8 @@ def test_bad_meshes_and_groups_are_refused_naming_the_argument():
         assert r["2-D mesh as process_group"] and \
             r["2-D mesh as process_group"].startswith("process_group"), \
             r["2-D mesh as process_group"]
+        assert r["crossed"] and "process_group must join the ranks that hold the same " \
+            "shard" in r["crossed"], r["crossed"]
 
 
 # ---------------------------------------------------------------------------
