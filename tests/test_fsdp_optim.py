@@ -279,6 +279,15 @@ def _bad_case(rank, world_size):
         out["crossed"] = None
     except RuntimeError as exc:
         out["crossed"] = str(exc)
+    # a frozen sharded parameter: its local shard broadcast from the replicate group's rank 0
+    frozen = _model()
+    frozen[0].bias.requires_grad_(False)
+    frozen = _shard(frozen, mesh["shard"])
+    with torch.no_grad():
+        frozen[0].bias.to_local().fill_(float(rank))
+    SlimDPOptimizer(frozen, torch.optim.AdamW(p for p in frozen.parameters() if p.requires_grad),
+                    process_group=mesh["replicate"])
+    out["frozen"] = frozen[0].bias.to_local().clone()
     return out
 
 
@@ -296,6 +305,8 @@ def test_bad_meshes_and_groups_are_refused_naming_the_argument():
             r["2-D mesh as process_group"]
         assert r["crossed"] and "process_group must join the ranks that hold the same " \
             "shard" in r["crossed"], r["crossed"]
+    for rank, r in enumerate(res):  # replicate groups {0, 2} and {1, 3}: from ranks 0 and 1
+        assert r["frozen"].numel() > 0 and torch.all(r["frozen"] == float(rank % 2)), r["frozen"]
 
 
 # ---------------------------------------------------------------------------
@@ -320,3 +331,46 @@ def test_optimizer_state_per_rank_falls_with_the_shard_count():
         assert r[2]["total"] < 0.7 * r[1]["total"], r
         for key in ("outer", "compressor", "inner"):
             assert r[2][key] < 0.7 * r[1][key], (key, r)
+
+
+# ---------------------------------------------------------------------------
+# hot path: the synchronisation of FSDP2 shards dispatches the same ops as of tensors
+# ---------------------------------------------------------------------------
+
+def _sync_ops(rank, world_size, fsdp, nparams=10, steps=6):
+    from slimcomm import compressor
+    from slimcomm._opcount import OpCounter, synchronous_collectives
+    from slimcomm.optim import SlimDPOptimizer
+    from test_hot_path import make_model
+    model = make_model(nparams)
+    group = None
+    if fsdp:  # S = 1: the local shards are the whole tensors, so the ops must match
+        mesh = _mesh((world_size, 1))
+        model = _shard(model, mesh["shard"])
+        group = mesh["replicate"]
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = SlimDPOptimizer(model, inner, sync_every=1, core_ratio=0.2, explore_ratio=0.1,
+                          core_refresh=3, outer_momentum=0.9, process_group=group)
+    counter, rows, real_sync = OpCounter(), [], opt.synchronize
+
+    def counted():
+        with counter:
+            real_sync()
+
+    opt.synchronize = counted
+    g = torch.Generator().manual_seed(rank)
+    with synchronous_collectives(compressor):
+        for _ in range(steps):
+            counter.reset()
+            inner.zero_grad()
+            model(torch.randn(4, 6, generator=g)).square().sum().backward()
+            opt.step()
+            rows.append((counter.host_syncs, dict(counter.ops)))
+    return rows
+
+
+def test_sync_of_fsdp_shards_dispatches_the_same_ops_as_plain_tensors():
+    plain = run_workers(_sync_ops, 2, False, timeout=200)[0]
+    fsdp = run_workers(_sync_ops, 2, True, timeout=200)[0]
+    assert all(syncs == 0 and ops for syncs, ops in fsdp), fsdp
+    assert fsdp == plain
