@@ -206,9 +206,7 @@ def _resume_case(rank, world_size, path, steps, cut):
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().normal_()
-    sd = {"optim": opt.state_dict()}
-    dcp.load(sd, checkpoint_id=path)
-    opt.load_state_dict(sd["optim"])
+    dcp.load({"optim": opt}, checkpoint_id=path)  # Stateful: DCP calls load_state_dict
     assert opt.local_step == cut
     _train(model, opt, rank, cut, steps)
     resumed = _local(model)
