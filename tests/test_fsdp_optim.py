@@ -10,12 +10,11 @@ last layer (1 output) leaves shard 1 with *empty* local tensors.
 import os
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import WorkerError, run_workers
+from _dist import run_workers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
@@ -210,6 +209,13 @@ def _resume_case(rank, world_size, path, steps, cut):
     assert opt.local_step == cut
     _train(model, opt, rank, cut, steps)
     resumed = _local(model)
+    try:  # another rank's entry (e.g. its torch.save file) is refused
+        sd = opt.state_dict()
+        opt.load_state_dict(dict(sd, per_rank={f"rank{(rank + 1) % 4}": sd["per_rank"][
+            f"rank{rank}"]}))
+        other = None
+    except ValueError as exc:
+        other = str(exc)
 
     # the same checkpoint on another mesh (4 replica groups of 1 shard): a clear refusal
     mesh41 = _mesh((4, 1))
@@ -221,7 +227,7 @@ def _resume_case(rank, world_size, path, steps, cut):
         refused = None
     except ValueError as exc:
         refused = str(exc)
-    return dict(straight=straight, resumed=resumed, refused=refused,
+    return dict(straight=straight, resumed=resumed, refused=refused, other=other,
                 stats=(straight_stats, opt.stats))
 
 
@@ -233,6 +239,7 @@ def test_dcp_checkpoint_at_step_10_resumes_like_an_uninterrupted_run(tmp_path):
         straight, resumed = r["stats"]
         assert straight["syncs"] == resumed["syncs"] == 5
         assert straight["total"]["bytes_sent"] == resumed["total"]["bytes_sent"]
+        assert r["other"] and "holds no entry 'rank" in r["other"], r["other"]
         assert r["refused"] and "shard_size=2" in r["refused"] and \
             "shard_size=1" in r["refused"] and "another mesh" in r["refused"], r["refused"]
 

@@ -124,17 +124,19 @@ class _Sharding:
         return {LAYOUT_KEY: self.layout(), PER_RANK_KEY: {f"rank{self.rank}": buf.getvalue()}}
 
     def unwrap(self, state_dict: Any, inner_params: List[torch.Tensor]) -> Dict[str, Any]:
-        """This rank's plain state from a :meth:`wrap` ped dict (after ``dcp.load`` or
+        """This rank's plain state from a dict made by :meth:`wrap` (after ``dcp.load`` or
         ``torch.load``), with the inner optimizer's ``DTensor`` states rebuilt on the
-        parameters' meshes.
+        parameters' meshes (``inner_params``: the inner optimizer's parameters in
+        ``state_dict`` order).
 
         Raises:
             ValueError: ``state_dict`` is not a sharded state (e.g. saved by a
                 ``SlimDPOptimizer`` over plain tensors), was saved at another
                 world size, replicate size or shard count (the residuals, index
                 sets, owner-side residuals and inner states are shard-local:
-                resuming at another shard count is not supported), or lacks
-                this rank's entry.
+                resuming at another shard count is not supported), lacks
+                this rank's entry (e.g. another rank's file), or that entry
+                cannot be read.
         """
         if not isinstance(state_dict, dict) or LAYOUT_KEY not in state_dict or \
                 PER_RANK_KEY not in state_dict:
@@ -163,7 +165,14 @@ class _Sharding:
                 f"state_dict: {PER_RANK_KEY!r} holds no entry 'rank{self.rank}' for this rank "
                 f"(pass the dict of opt.state_dict() that torch.distributed.checkpoint.load "
                 f"filled, or this rank's own torch.save file)")
-        per_rank = torch.load(io.BytesIO(blob), weights_only=False)
+        try:  # tensors, dicts, lists, numbers, strings: no pickled code
+            per_rank = torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, as ValueError
+            raise ValueError(f"state_dict: the entry 'rank{self.rank}' of {PER_RANK_KEY!r} "
+                             f"cannot be read ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(per_rank, dict) or not isinstance(per_rank.get("inner"), dict):
+            raise ValueError(f"state_dict: the entry 'rank{self.rank}' of {PER_RANK_KEY!r} is "
+                             f"not a SlimDPOptimizer state")
         inner = per_rank["inner"]
         for i, k in per_rank.pop("inner_dtensor", []):
             p = inner_params[i]
