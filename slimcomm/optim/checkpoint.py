@@ -105,6 +105,7 @@ class _CheckpointMixin:
             sd = {"optim": opt.state_dict()}        # a fresh optimizer's: any template
             dcp.load(sd, checkpoint_id=path)         # every rank
             opt.load_state_dict(sd["optim"])
+            # or: dcp.load({"optim": opt}, checkpoint_id=path)  (DCP's Stateful protocol)
 
         (``torch.save`` / ``torch.load`` of the dict per rank works too.) It
         holds the local parameters, so loading it also restores the model's

@@ -57,7 +57,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             per rank ~1/S; "rank 0" above is rank 0 of ``process_group``, per
             shard position). A model on the 2-D mesh (FSDP's own HSDP, which
             all-reduces every inner step across replica groups) is refused.
-            See :mod:`slimcomm.optim.sharded`. the inner optimizer, built over exactly those parameters
+            See :mod:`slimcomm.optim.sharded`.
+        inner: the inner optimizer, built over exactly those parameters
             (frozen parameters of the model may be in it too; they must stay
             frozen). Groups added later with ``add_param_group`` or a frozen
             parameter unfrozen later are refused at the next
