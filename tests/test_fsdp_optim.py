@@ -418,3 +418,46 @@ def test_nonfinite_step_in_one_replica_group_resets_its_inner_state_and_training
     for peer_a, peer_b in ((0, 2), (1, 3)):
         for x, y in zip(res[peer_a]["local"], res[peer_b]["local"]):
             assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------------------
+# GradScaler: scaler.step(opt) unscales the local gradient shards
+# ---------------------------------------------------------------------------
+
+def _scaler_case(rank, world_size, steps, bad_step):
+    mesh = _mesh()
+    model, opt = _slim(mesh, sync_every=2)
+    _train(model, opt, rank, 0, steps)
+    plain = _local(model)
+    out = {}
+    for bad in (None, bad_step):
+        model, opt = _slim(mesh, sync_every=2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+        for t in range(steps):
+            x, y = _batch(rank, t)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if t == bad and rank >= 2:  # replica group {2, 3}: an overflow the scaler skips
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        out[bad] = dict(local=_local(model), stats=opt.stats)
+    return dict(plain=plain, scaled=out)
+
+
+def test_grad_scaler_unscales_the_shards_and_skips_an_overflow():
+    res = run_workers(_scaler_case, 4, 6, 3, timeout=240)
+    for r in res:
+        # a power-of-two scale: unscaled gradient shards are exact, the run is the same
+        for a, b in zip(r["plain"], r["scaled"][None]["local"]):
+            assert torch.equal(a, b)
+        st = r["scaled"][3]["stats"]
+        assert st["local_steps"] == 6 and st["syncs"] == 3 and st["nonfinite_syncs"] == 0, st
+        assert all(torch.isfinite(t).all() for t in r["scaled"][3]["local"])
+    for peer_a, peer_b in ((0, 2), (1, 3)):
+        for x, y in zip(res[peer_a]["scaled"][3]["local"], res[peer_b]["scaled"][3]["local"]):
+            assert torch.equal(x, y)
+    # the skipped step changed the run of replica group {2, 3}, hence everyone's
+    assert any(not torch.equal(x, y) for x, y in zip(res[0]["scaled"][None]["local"],
+                                                     res[0]["scaled"][3]["local"]))
