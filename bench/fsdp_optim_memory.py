@@ -15,7 +15,10 @@ storage once; not the process's RSS):
 
 The model's own parameters and gradients are FSDP's and not counted.
 
-    python bench/fsdp_optim_memory.py            # writes bench/results/fsdp_optim_memory.md
+    python bench/fsdp_optim_memory.py --results-dir bench/results
+
+writes ``<results-dir>/fsdp_optim_memory.md``: ``bench/out/`` (ignored by git) unless
+``--results-dir bench/results`` (the committed results).
 """
 
 from __future__ import annotations
@@ -96,8 +99,11 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=255)  # odd: uneven shards at S = 2, 4
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "fsdp_optim_memory.md"))
+    ap.add_argument("--results-dir", metavar="DIR", default=os.path.join(HERE, "out"),
+                    help="directory of fsdp_optim_memory.md (default bench/out/, ignored by git; "
+                         "--results-dir bench/results for the committed results)")
     args = ap.parse_args(argv)
+    out = os.path.join(args.results_dir, "fsdp_optim_memory.md")
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from _dist import run_workers  # tests/_dist.py: gloo ranks that never hang
 
@@ -105,7 +111,8 @@ def main(argv=None):
     lines = [
         "# SlimDPOptimizer on FSDP2: optimizer state per rank vs shard count",
         "",
-        f"Measured {date.today().isoformat()} with `python bench/fsdp_optim_memory.py` "
+        f"Measured {date.today().isoformat()} with `python bench/fsdp_optim_memory.py "
+        f"--results-dir bench/results` "
         f"(4 gloo ranks on the CPU, torch {torch.__version__}): {args.layers} x "
         f"Linear({args.width}, {args.width}) = {res[0][0]['params']:,} fp32 parameters, "
         f"`fully_shard` over `mesh['shard']`, AdamW inside, SlimDPOptimizer over "
@@ -134,8 +141,8 @@ def main(argv=None):
             f"{hi['total'] / hi['local']:.1f} | {hi['total'] / base:.3f} |")
     lines += ["", "Every buffer is the size of the rank's local shard, so the state per rank "
               "falls as 1/S at a constant number of bytes per local parameter.", ""]
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(args.results_dir, exist_ok=True)
+    with open(out, "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
 
