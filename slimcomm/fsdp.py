@@ -342,18 +342,7 @@ class SlimDPFSDPState(SlimDPCompressor):
         return self
 
     def _check_groups_meet_here(self, shard_group) -> None:
-        if shard_group is None or not dist.is_initialized():
-            return
-        rep = set(dist.get_process_group_ranks(self.group))
-        shard = set(dist.get_process_group_ranks(shard_group))
-        me = dist.get_rank()
-        if rep & shard != {me}:
-            raise ValueError(
-                f"replicate_group: ranks {sorted(rep)} share ranks {sorted(rep & shard)} with "
-                f"the model's FSDP shard group {sorted(shard)}; the replicate group must hold "
-                f"the ranks with the same shard in the other replica groups "
-                f"(mesh['replicate'] of a (replicate, shard) mesh whose mesh['shard'] the "
-                f"model was sharded over)")
+        _check_meets_only_here(self.group, shard_group, "replicate_group")
 
     def _place(self, shard_group) -> Dict[str, int]:
         if not dist.is_initialized():
@@ -452,6 +441,24 @@ class SlimDPFSDPState(SlimDPCompressor):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != _FSDP_KEY})
         self._seen = set()
         self._place_pending = place if self._mesh_place is None else None
+
+
+def _check_meets_only_here(replicate_group, shard_group, argument: str) -> None:
+    """Raise ``ValueError`` naming ``argument`` unless ``replicate_group`` (``None`` = the
+    world) and the FSDP ``shard_group`` share this rank and no other: the replicate group
+    must hold the ranks with the *same* shard in the other replica groups."""
+    if shard_group is None or not dist.is_initialized():
+        return
+    rep = set(dist.get_process_group_ranks(replicate_group or dist.group.WORLD))
+    shard = set(dist.get_process_group_ranks(shard_group))
+    me = dist.get_rank()
+    if rep & shard != {me}:
+        raise ValueError(
+            f"{argument}: ranks {sorted(rep)} share ranks {sorted(rep & shard)} with "
+            f"the model's FSDP shard group {sorted(shard)}; the replicate group must hold "
+            f"the ranks with the same shard in the other replica groups "
+            f"(mesh['replicate'] of a (replicate, shard) mesh whose mesh['shard'] the "
+            f"model was sharded over)")
 
 
 def register_slim_dp_hook(model: nn.Module, replicate_group=None, **kwargs) -> SlimDPFSDPState:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["kernels.py", "hook_overhead.py", "ist_fmnist.py", "netbench.py"]
+SCRIPTS = ["kernels.py", "hook_overhead.py", "ist_fmnist.py", "netbench.py", "fsdp_optim_memory.py"]
 
 
 def _run(*args, cwd=REPO):

@@ -80,7 +80,10 @@ The package, one job a module:
 * :mod:`~slimcomm.optim.nonfinite` -- non-finite pseudo-gradients: the flags read
   on the host without a sync, the inner state reset, ``stats``;
 * :mod:`~slimcomm.optim.checkpoint` -- ``outer_weights()``, ``state_dict`` /
-  ``load_state_dict``.
+  ``load_state_dict``;
+* :mod:`~slimcomm.optim.sharded` -- FSDP2 / HSDP: ``DTensor`` parameters (the
+  checks of the mesh and ``process_group``, the local shards, the
+  ``torch.distributed.checkpoint`` form of ``state_dict``).
 """
 
 from .._comm import CollectiveError

@@ -90,13 +90,32 @@ class _CheckpointMixin:
         dict kept in memory while training goes on holds the new tensors beside
         the old counters, and loading it later restores neither point (keep a
         restore point with ``copy.deepcopy(opt.state_dict())``).
-        ``"local"`` holds per group the list of this rank's local parameters."""
+        ``"local"`` holds per group the list of this rank's local parameters.
+
+        FSDP2 (``DTensor``) parameters: the dict is the form
+        ``torch.distributed.checkpoint`` (DCP) saves and loads, ``{"fsdp_layout":
+        {"world_size", "replicate_size", "shard_size"} (identical on every rank),
+        "per_rank": {"rank<global rank>": bytes}}``, where the bytes are the dict
+        above (local shards; the inner optimizer's ``DTensor`` states as their
+        local tensors) serialised with ``torch.save``: a snapshot, costing one
+        copy of this rank's state in host memory while it exists. Each rank's
+        entry is written once (no de-duplication across ranks), so::
+
+            dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)  # every rank
+            sd = {"optim": opt.state_dict()}        # a fresh optimizer's: any template
+            dcp.load(sd, checkpoint_id=path)         # every rank
+            opt.load_state_dict(sd["optim"])
+            # or: dcp.load({"optim": opt}, checkpoint_id=path)  (DCP's Stateful protocol)
+
+        (``torch.save`` / ``torch.load`` of the dict per rank works too.) It
+        holds the local parameters, so loading it also restores the model's
+        shards."""
         if self._start_pending:   # no inner step yet: the model itself is the starting point
             self._take_start()
             self._start_pending = True
         local = [[p.detach() for p in (self._aside[i] if self._in_outer else g.params)]
                  for i, g in enumerate(self._groups)]
-        return {
+        state = {
             "version": _STATE_VERSION,
             "compression": self.compression,
             "nonfinite_syncs": self._nonfinite_syncs,
@@ -110,6 +129,7 @@ class _CheckpointMixin:
             "momentum": [g.momentum for g in self._groups],
             "compressor": self.compressor.state_dict(copy=False),
         }
+        return state if self._sharding is None else self._sharding.wrap(state)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` of this rank, saved with the same model
@@ -123,7 +143,11 @@ class _CheckpointMixin:
         Raises:
             ValueError: unknown version, group sizes that do not match, a
                 state saved with another ``compression``, a malformed entry
-                (raised on the rank that has it).
+                (raised on the rank that has it); FSDP2 parameters: a state
+                saved on another mesh (world size, replicate size or shard
+                count: resuming at another shard count is not supported, the
+                message names both layouts), a state of plain parameters, or
+                one without this rank's entry.
             RuntimeError: the state was saved by another rank or world size
                 (on that rank), or another rank's load failed (on the others);
                 called inside :meth:`outer_weights`.
@@ -131,6 +155,13 @@ class _CheckpointMixin:
         self._forbid_in_outer("load_state_dict()")
         error: Optional[BaseException] = None
         try:
+            if self._sharding is not None:
+                state_dict = self._sharding.unwrap(
+                    state_dict, [p for g in self.inner.param_groups for p in g["params"]])
+            elif isinstance(state_dict, dict) and "per_rank" in state_dict and \
+                    "version" not in state_dict:
+                raise ValueError("state_dict: saved by a SlimDPOptimizer over FSDP2 (DTensor) "
+                                 "parameters, but this one's parameters are plain tensors")
             self._check_state(state_dict)
             err = self.compressor._owner_error(state_dict["compressor"]["owner"])
             if err is not None:

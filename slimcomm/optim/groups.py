@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import _comm
+from .sharded import local
 
 COMPRESSIONS = ("shared", "local", "dense")
 
@@ -17,14 +18,18 @@ COMPRESSIONS = ("shared", "local", "dense")
 class _Group:
     """One flat run of parameters: outer copy, scratch, momentum, views."""
 
-    __slots__ = ("positions", "params", "outer", "outer_views", "scratch", "scratch_views",
-                 "momentum", "key", "reset_at")
+    __slots__ = ("positions", "params", "keys", "outer", "outer_views", "scratch",
+                 "scratch_views", "momentum", "key", "reset_at")
 
     def __init__(self, positions: List[int], params: List[torch.Tensor], momentum: bool,
-                 scratch: Optional[torch.Tensor] = None):
+                 scratch: Optional[torch.Tensor] = None,
+                 keys: Optional[List[torch.Tensor]] = None):
         self.positions = positions
         self.key = tuple(positions)
+        # the tensors synchronised (a DTensor parameter's local shard) and the parameters
+        # the inner optimizer's state is keyed by (the same tensors unless sharded)
         self.params = params
+        self.keys = params if keys is None else keys
         n = sum(p.numel() for p in params)
         dev = params[0].device
         self.outer = torch.empty(n, dtype=torch.float32, device=dev)
@@ -91,7 +96,8 @@ class _GroupsMixin:
                     f"Keep the parameters in float32 (torch.autocast for float16 compute, with "
                     f"a GradScaler on opt.inner) or bfloat16, or use eps >= {_FP16_TINY:.3g}")
 
-    def _make_groups(self, named, bucket_cap_mb, share_scratch=False) -> List[_Group]:
+    def _make_groups(self, named, bucket_cap_mb, share_scratch=False,
+                     keys=None) -> List[_Group]:
         cap = int(bucket_cap_mb * 2**20)
         groups, cur, size = [], [], 0
         for pos, (_, p) in enumerate(named):
@@ -110,7 +116,8 @@ class _GroupsMixin:
                 if dev not in shared or shared[dev].numel() < n:
                     shared[dev] = torch.empty(n, dtype=torch.float32, device=dev)
         return [_Group(g, [named[i][1] for i in g], momentum,
-                       shared.get(named[g[0]][1].device)) for g in groups]
+                       shared.get(named[g[0]][1].device),
+                       None if keys is None else [keys[i] for i in g]) for g in groups]
 
     def _broadcast_initial_state(self) -> None:
         """Rank 0's parameters (trainable and frozen) and buffers everywhere;
@@ -122,7 +129,8 @@ class _GroupsMixin:
                 torch._foreach_copy_(g.outer_views, g.params)
                 _comm.wait(_comm.broadcast(g.outer, 0, group, t), what, t)
                 torch._foreach_copy_(g.params, g.outer_views)
-            _broadcast_flat([p for _, p in self._frozen_named] + list(self._module.buffers()),
+            _broadcast_flat([local(p) for _, p in self._frozen_named] +
+                            [local(b) for b in self._module.buffers()],
                             group, t, what)
 
     def _before_inner_step(self) -> None:
@@ -160,7 +168,7 @@ class _GroupsMixin:
                 _comm.wait(_comm.broadcast(g.outer, 0, group, t), what, t)
                 torch.sub(g.outer, g.scratch, out=g.scratch)
                 torch._foreach_add_(g.params, g.scratch_views)
-            _broadcast_flat([p for _, p in self._frozen_named], group, t, what)
+            _broadcast_flat([local(p) for _, p in self._frozen_named], group, t, what)
         self._adopt_start = False
 
     def _check_parameters_unchanged(self) -> None:

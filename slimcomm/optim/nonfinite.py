@@ -60,7 +60,7 @@ class _NonfiniteMixin:
         names = []
         for g in hit:
             if index > g.reset_at:   # not caused by a state this rank has already reset
-                for p in g.params:
+                for p in g.keys:
                     self.inner.state.pop(p, None)
                 g.reset_at = current
             names.extend(self._names[pos] for pos in g.positions)

@@ -21,6 +21,7 @@ from .checkpoint import _CheckpointMixin
 from .groups import COMPRESSIONS, _GroupsMixin, _inner_size
 from .nonfinite import _NonfiniteMixin
 from .protocol import _ProtocolMixin
+from . import sharded as _sharded
 
 __all__ = ["SlimDPOptimizer", "COMPRESSIONS", "CollectiveError"]
 
@@ -48,6 +49,15 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             everyone's (each rank's pseudo-gradient stays relative to its own
             start). Loading weights into the model later is overwritten at the
             next synchronisation (use :meth:`load_state_dict` to resume).
+            FSDP2 / HSDP: a model sharded with ``fully_shard(..., mesh=mesh["shard"])``
+            over the 1-D shard sub-mesh of a ``(replicate, shard)`` mesh (every
+            trainable parameter a ``DTensor`` on that one mesh): the inner steps
+            are plain FSDP inside the replica group, and everything here works
+            on this rank's local shards (outer copy, residuals, momentum: memory
+            per rank ~1/S; "rank 0" above is rank 0 of ``process_group``, per
+            shard position). A model on the 2-D mesh (FSDP's own HSDP, which
+            all-reduces every inner step across replica groups) is refused.
+            See :mod:`slimcomm.optim.sharded`.
         inner: the inner optimizer, built over exactly those parameters
             (frozen parameters of the model may be in it too; they must stay
             frozen). Groups added later with ``add_param_group`` or a frozen
@@ -85,7 +95,13 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         error_decay: ``beta`` in ``(0, 1]``; the residual is multiplied by it
             before the next pseudo-gradient is added (SparseLoCo: 0.95).
         seed: explore-set seed, equal on every rank.
-        process_group: group to synchronise over (default: the world).
+        process_group: group to synchronise over (default: the world), a
+            ``ProcessGroup`` or a 1-D ``DeviceMesh``. FSDP2 parameters:
+            ``mesh["replicate"]``, the ranks holding the same shard in the other
+            replica groups (each shard position synchronises with its own replica
+            peers); a group that shares another rank with the shard mesh (the
+            world when ``S > 1``, ``mesh["shard"]``) raises ``ValueError``, one
+            joining ranks of different shard positions ``RuntimeError``.
         bucket_cap_mb: parameters are synchronised in groups of about this
             many MB of fp32 values (one collective per group).
         check_agreement_every: every n-th compressed sync checks the index
@@ -115,7 +131,11 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
 
     Raises:
         ValueError: an argument out of range, ``inner`` not over the model's
-            trainable parameters, float16 parameters in an Adam-type group
+            trainable parameters, ``process_group`` neither a ``ProcessGroup``
+            nor a 1-D ``DeviceMesh``; FSDP2: trainable parameters mixing
+            ``DTensor`` and plain tensors, on different meshes or on a 2-D
+            (HSDP) mesh (``model``), ``process_group`` sharing another rank with
+            the shard mesh, float16 parameters in an Adam-type group
             (``betas`` and ``eps``) whose ``eps`` is below float16's smallest
             normal number 6.1e-05 (its updates are inf/NaN) (raised on the
             rank that sees it; the other ranks raise a RuntimeError instead of
@@ -149,7 +169,9 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         timeout: Optional[float] = 300.0,
         lowbit_collective: str = "all_reduce",
     ):
+        process_group = _sharded.as_process_group(process_group)
         self.process_group = process_group
+        self._sharding = None
         self._failed: Optional[str] = None
         self._joined = False
         error: Optional[BaseException] = None
@@ -167,6 +189,9 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
                 else model
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            # FSDP2 (DTensor) parameters: everything below works on this rank's local shards
+            self._sharding = _sharded.inspect(named, process_group)
+            local_named = [(n, _sharded.local(p)) for n, p in named]
             self.compression = compression
             dense = compression == "dense"
             self.compressor = SlimDPCompressor(
@@ -193,14 +218,17 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             # its codes are sent, so every group can share one (memory: outer + residual)
             self._deferred = dense and value_bits is not None and \
                 lowbit_collective == "all_reduce"
-            self._groups = self._make_groups(named, bucket_cap_mb,
-                                             share_scratch=self._deferred)
+            self._groups = self._make_groups(local_named, bucket_cap_mb,
+                                             share_scratch=self._deferred,
+                                             keys=[p for _, p in named])
             # the groups too: each is one collective, so groups that differ across ranks
             # (bucket_cap_mb) would mismatch their sizes (gloo aborts the process)
             hp = (sync_every, compression, self.outer_lr, self.outer_momentum, self.nesterov,
                   self.compressor._hyperparameters(),
                   [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
-                  [g.key for g in self._groups])
+                  [g.key for g in self._groups],
+                  None if self._sharding is None else
+                  (self._sharding.fingerprint(), [tuple(p.shape) for _, p in local_named]))
             fingerprint = zlib.crc32(repr(hp).encode())
         except ValueError as exc:
             error = exc
@@ -214,7 +242,11 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             raise RuntimeError(
                 "SlimDPOptimizer: the ranks were constructed with different hyperparameters "
                 "(e.g. sync_every, compression, bucket_cap_mb) or models; construct it with the "
-                "same arguments on every rank")
+                "same arguments on every rank" + (
+                    "" if self._sharding is None else
+                    f" (FSDP2: process_group must join the ranks that hold the same shard, "
+                    f"mesh['replicate'] of the (replicate, shard) mesh; this rank holds shard "
+                    f"{self._sharding.shard_rank} of {self._sharding.shard_size})"))
         views = [v for g in self._groups for v in g.outer_views]
         self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
         # Parameters frozen at construction (broadcast like DDP, never synchronised; one
@@ -294,8 +326,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                                  "GradScaler.step(opt)")
             grad_scale = getattr(self, "grad_scale", None)
             if grad_scale is not None:  # not unscaled yet: do what GradScaler.unscale_ does
-                grads = [p.grad for g in self.inner.param_groups for p in g["params"]
-                         if p.grad is not None]
+                grads = [_sharded.local(p.grad) for g in self.inner.param_groups
+                         for p in g["params"] if p.grad is not None]
                 inv = grad_scale.double().reciprocal().float()
                 dummy = torch.zeros((), dtype=torch.float32, device=inv.device)
                 for dev in {gr.device for gr in grads}:
