@@ -106,3 +106,30 @@ def test_commit_local_and_undo_cuda_match_cpu(bdt, wdt, keep_all_zero):
         outs.append((b, acc, cnt, void, r, G))
     for name, x, y in zip(("buf", "acc", "counter", "void", "residual", "G"), *outs):
         _same(x, y, name)
+
+
+@pytest.mark.parametrize("bdt", DTYPES)
+@pytest.mark.parametrize("pattern", ["random", "nonfinite", "zeros_seg"])
+def test_commit_state_half_cuda(bdt, pattern):
+    """write_buf=False (the delayed hook's state half) leaves buf and commits G, acc and the
+    counter exactly as the full op; the bucket half without state then writes buf as it."""
+    rng = np.random.default_rng(3)
+    offsets, idx, buf = _case(NUMELS, bdt, rng, pattern)
+    n = buf.numel()
+    res, G0 = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    wire = ops.step_encode(buf, idx, offsets, 2, torch.float32, acc=torch.empty(n, device="cuda"),
+                           residual=res)
+    acc0 = torch.randn(n, device="cuda")
+    full = [buf.clone(), G0.clone(), acc0.clone(), torch.zeros(2, dtype=torch.int64, device="cuda")]
+    ops.step_commit(full[0], idx, offsets, wire, full[3], G=full[1], acc=full[2], residual=res,
+                    keep_all_zero=True)
+    b, G, acc = buf.clone(), G0.clone(), acc0.clone()
+    cnt = torch.zeros(2, dtype=torch.int64, device="cuda")
+    ops.step_commit(b, idx, offsets, wire, cnt, G=G, acc=acc, residual=res, keep_all_zero=True,
+                    write_buf=False)
+    _same(b, buf, "buf untouched")
+    for name, x, y in (("G", G, full[1]), ("acc", acc, full[2]), ("counter", cnt, full[3])):
+        _same(x, y, name)
+    ops.step_commit(b, idx, offsets, wire, torch.zeros(2, dtype=torch.int64, device="cuda"),
+                    keep_all_zero=True)
+    _same(b, full[0], "buf")
