@@ -19,7 +19,10 @@ local's measured ms/step, and each method's time as a multiple of it.
 Not modelled: TCP throughput capped by the bandwidth-delay product (at 1 Gbit/s and 50 ms one way
 a window of 6.25 MB is needed for full rate, more than Linux's default maximum receive buffer of
 6 MB; large ring messages then move slower than the fitted goodput), retransmissions, overlap of
-communication with compute (none today: one bucket, collectives at the step's end).
+communication with compute (none, except a run of the Slim-DP hook with ``--delay-steps 1``, whose
+payload all-reduces overlap the next step: only what outlasts the step is added,
+:func:`slimcomm.train.projection.delayed_result`; its ``hops/step`` column is the count before
+that overlap).
 
 Usage::
 

@@ -37,7 +37,9 @@ def load(dirs):
             if not isinstance(r, dict) or not r.get("profile"):
                 continue
             stem = os.path.basename(path)[:-5]
-            rate, _, label = stem.partition("_")
+            rate, sep, label = stem.partition("_")
+            if not sep:  # slimcomm.train --profile's own --out-dir: METHOD.json, no rate
+                rate, label = "loopback", stem
             out.setdefault(rate, {})[label] = r
     return out
 

@@ -140,7 +140,10 @@ class SlimDPState(SlimDPCompressor):
       gradient the optimizer applies is one step stale (error feedback is
       unchanged). A non-finite step is then not undone for every parameter
       (the bad parameters keep their residual and ``G`` and come back NaN one
-      step later), and a GradScaler cannot be attached. See
+      step later), a GradScaler cannot be attached, and DDP must not use
+      ``find_unused_parameters=True`` (DDP discards the value of a parameter
+      no rank used, which would be the previous step's average; refused by
+      :meth:`attach` when it is given the DDP instance). See
       :mod:`slimcomm.compressor.transports.delayed`.
     * ``model`` (default ``None``): shortcut for :meth:`attach`.
 
@@ -236,12 +239,25 @@ class SlimDPState(SlimDPCompressor):
             ``self``.
 
         Raises:
-            ValueError: ``model`` is not an ``nn.Module``; already-held state
+            ValueError: ``model`` is not an ``nn.Module``; ``delay_steps=1`` and
+                ``model`` is a DDP with ``find_unused_parameters=True`` (DDP
+                discards the value of a parameter no rank used in a step: with
+                the delay, the previous step's average); already-held state
                 (from :meth:`load_state_dict` or training) names a parameter
                 that has a different name or size in ``model``.
         """
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+        if self.delay_steps and isinstance(model, nn.parallel.DistributedDataParallel) and \
+                getattr(model, "find_unused_parameters", False):
+            # DDP drops the bucket value of a parameter no rank used at step t; delayed,
+            # that value is step t - 1's average, so it would be lost for good (a parameter
+            # used every other step would never be updated)
+            raise ValueError(
+                "delay_steps=1 cannot be used with DDP(find_unused_parameters=True): DDP "
+                "discards the bucket value of a parameter no rank used in a step, which with "
+                "delay_steps=1 is the previous step's average (lost, not applied); use "
+                "delay_steps=0")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         return self.attach_parameters(list(module.named_parameters()))
 

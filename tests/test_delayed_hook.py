@@ -180,3 +180,39 @@ def test_delay_mismatch_on_load_is_refused():
     saved = SlimDPState(delay_steps=1).state_dict()
     with pytest.raises(ValueError, match="delay_steps"):
         SlimDPState().load_state_dict(saved)
+
+
+class _EveryOther(nn.Module):
+    """``b`` is used at even steps only (on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(12, 5)
+        self.b = nn.Linear(12, 5)
+
+    def forward(self, x, t):
+        out = self.a(x)
+        return out + self.b(x) if t % 2 == 0 else out
+
+
+def _unused_case(rank, world_size):
+    out = {}
+    for name, ddp_kw in (("unused", dict(find_unused_parameters=True)), ("plain", {})):
+        ddp = DDP(_EveryOther(), **ddp_kw)
+        try:
+            SlimDPState(**{**BASE, **DELAY}).attach(ddp)
+            out[name] = "ok"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_delay_refuses_find_unused_parameters():
+    # Found by the breaker: delayed, the bucket value DDP discards for a parameter no rank
+    # used at step t is step t - 1's average, so a parameter used every other step never
+    # received any gradient after the warm-up (silently frozen).
+    res = run_workers(_unused_case, 2, timeout=120)
+    for r in res:
+        assert "find_unused_parameters" in r["unused"] and "delay_steps" in r["unused"]
+        assert r["plain"] == "ok"

@@ -539,3 +539,19 @@ def test_synchronize_ops_do_not_grow_with_depth():
         assert len({r[0] for r in rows[1:]}) == 1, rows
         steady[n_layer] = rows[1][0]
     assert steady[1] == steady[3], steady
+
+
+def test_refused_checkpoint_leaves_the_model_unwritten():
+    # Found by the breaker: a checkpoint of a deeper model was refused by
+    # model.load_state_dict only after it had copied every tensor that fit (embeddings,
+    # block 0), so the "failed" load changed 17 of the model's tensors.
+    src = GPTISTTrainer(_gpt(n_layer=2), _adamw, local_steps=3)
+    x, y = _batch(0, 0)
+    src.step(x, y, _loss)
+    saved = src.state_dict()
+    model = _gpt(seed=1, n_layer=1)
+    trainer = GPTISTTrainer(model, _adamw, local_steps=3)
+    before = _state(model)
+    with pytest.raises(RuntimeError, match="blocks.1"):
+        trainer.load_state_dict(saved)
+    assert _equal(_state(model), before)

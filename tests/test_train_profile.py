@@ -48,3 +48,16 @@ def test_bad_profile_and_delay_options(argv, needle, monkeypatch, capsys):
         T.main(argv + ["--dataset", "digits"])
     err = capsys.readouterr().err + str(ei.value.code)
     assert needle in err, err
+
+
+def test_short_run_profile_records_the_steps_it_averaged():
+    # Found by the breaker: with --steps 2 (<= skip 3) the means cover every step but the
+    # profile said skip=3, and bench/profile_table.py printed "mean over -1 steps".
+    from slimcomm.train.profile import StepProfiler
+    prof = StepProfiler(skip=3)
+    for _ in range(2):
+        prof.begin()
+        for ph in ("forward", "backward", "optimizer"):
+            prof.mark(ph)
+    s = prof.summary()
+    assert s["steps"] == 2 and s["skip"] == 0 and s["steps"] - s["skip"] == 2

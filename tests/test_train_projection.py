@@ -166,3 +166,17 @@ def test_demo_settings_give_at_least_ten_evaluations():
     steps = args.steps if args.steps is not None else args.epochs * 234  # 234 steps per epoch at batch 128
     assert args.eval_every > 0 and steps // args.eval_every >= 10
     assert args.test_subset is not None  # the cheap evaluation the README states
+
+
+def test_note_says_when_delayed_slimdp_overlaps():
+    # Found by the breaker: a --delay-steps 1 run is projected with its payload all-reduces
+    # overlapped (project_result), but the printed note said "no overlap of communication with
+    # compute".
+    r = _synthetic("slimdp")
+    r.setdefault("config", {})["delay_steps"] = 1
+    probe = {"kind": "allreduce", "alpha_s": 0.0, "goodput_bps": 8e9, "timings": []}
+    P.add_link_times(r, probe, ("1gbit",))
+    assert "--delay-steps 1" in r["link_times"]["assumptions"]
+    plain = _synthetic("slimdp")
+    P.add_link_times(plain, probe, ("1gbit",))
+    assert plain["link_times"]["assumptions"].endswith("no overlap of communication with compute")

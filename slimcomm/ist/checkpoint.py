@@ -66,13 +66,16 @@ class _CheckpointMixin:
             ValueError: ``seed`` differs, or a mid-round state with a
                 different ``world_size``/``local_steps`` or saved by another
                 rank (raised there; the other ranks raise RuntimeError).
-            RuntimeError: from ``model.load_state_dict``; another rank failed
+            RuntimeError: ``state["model"]`` does not fit the model (missing or
+                unexpected keys, other shapes; raised before any weight is
+                written) or ``model.load_state_dict`` failed; another rank failed
                 to load; the ranks loaded different rounds or models.
         """
         error: Optional[Exception] = None
         fingerprint = _FP_ERROR
         try:
             self._validate_state(state)
+            _check_model_state(self.model, state["model"])  # before writing anything
             self.model.load_state_dict(state["model"])
             h = hashlib.blake2b(digest_size=8)
             h.update(f"{int(state['round'])}|{int(state['local_step'])}".encode())
@@ -135,3 +138,23 @@ class _CheckpointMixin:
                 f"state_dict['local_steps'] = {state['local_steps']} differs from "
                 f"{self.local_steps}; a mid-round state needs the same local_steps"
             )
+
+
+def _check_model_state(model: torch.nn.Module, saved: Any) -> None:
+    """RuntimeError naming the keys if ``saved`` (a model ``state_dict``) does not fit
+    ``model`` exactly; ``nn.Module.load_state_dict`` would copy the tensors that fit before
+    raising about the others, leaving a refused checkpoint half-loaded."""
+    if not isinstance(saved, dict):
+        raise RuntimeError(f"state_dict['model'] must be the model's state_dict, got "
+                           f"{type(saved).__name__}")
+    own = model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [f"{k} {tuple(saved[k].shape)} (model: {tuple(v.shape)})" for k, v in own.items()
+              if k in saved and torch.is_tensor(saved[k]) and saved[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        parts = [f"{what}: {', '.join(ks[:4])}{' ...' if len(ks) > 4 else ''}"
+                 for what, ks in (("missing keys", missing), ("unexpected keys", unexpected),
+                                  ("other shapes", shapes)) if ks]
+        raise RuntimeError(f"state_dict['model'] does not fit this model ({'; '.join(parts)}); "
+                           f"nothing was loaded")

@@ -439,7 +439,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         print(f"train time and time to {_target_text(results)} per link (the loopback rows are the runs above):")
         print(train_projection.links_table(results))
-        print(train_projection.projection_note(rates, [r["method"] for r in projected]) + ".")
+        print(train_projection.projection_note(rates, [r["method"] for r in projected],
+                                               any(train_projection.overlaps(r) for r in projected)) + ".")
     if args.compare:
         print(f"wrote {', '.join(os.path.join(args.out_dir, m + '.json') for m in methods)}")
     else:

@@ -107,14 +107,17 @@ class StepProfiler:
 
     def summary(self) -> Dict[str, Any]:
         """Collective (one ``all_gather_object``): ``{"steps", "skip", "ranks": [per-rank
-        means], "mean": {...}, "max": {...}}`` in ms."""
+        means], "mean": {...}, "max": {...}}`` in ms; ``skip`` is the number of first steps
+        actually left out (0 when the run had no more than ``skip`` steps: then all count)."""
         mine = self.rank_means()
         ranks = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
         keys = [ph for ph in PHASES if all(ph in r for r in ranks)]
-        return {"steps": len(self.steps), "skip": self.skip, "ranks": ranks,
+        # rank_means() falls back to every step when there are no more than ``skip``: say so
+        skip = self.skip if len(self.steps) > self.skip else 0
+        return {"steps": len(self.steps), "skip": skip, "ranks": ranks,
                 "mean": {k: statistics.fmean(r[k] for r in ranks) for k in keys},
                 "max": {k: max(r[k] for r in ranks) for k in keys}}
 

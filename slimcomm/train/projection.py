@@ -466,8 +466,11 @@ def _rate_name(rate: str) -> str:
     return LINK_NAMES.get(rate, rate)
 
 
-def projection_note(rates: Sequence[str] = DEFAULT_RATES, methods: Sequence[str] = ("ddp", "slimdp", "ist")) -> str:
-    """One line: what a projected figure assumes (per-link rate, goodput, latency, ring collectives)."""
+def projection_note(rates: Sequence[str] = DEFAULT_RATES, methods: Sequence[str] = ("ddp", "slimdp", "ist"),
+                    overlap: bool = False) -> str:
+    """One line: what a projected figure assumes (per-link rate, goodput, latency, ring collectives).
+    ``overlap``: a run of the Slim-DP hook with ``delay_steps=1`` is among the projected ones (its
+    payload all-reduces overlap the next step, :func:`project_result`)."""
     kinds = {k: [m for m in methods if PATTERN.get(m) == k] for k in ("allreduce", "allgather")}
     how = " / ".join(f"ring {'all-reduce' if k == 'allreduce' else 'all-gather'} ({', '.join(ms)})"
                      for k, ms in kinds.items() if ms)
@@ -479,7 +482,16 @@ def projection_note(rates: Sequence[str] = DEFAULT_RATES, methods: Sequence[str]
                      f"{ag.alpha_s * 1e3:.1f} ms per hop")
     return ("projected = this run's compute time (its train time minus its collectives at the loopback speed "
             "it measured after training) + its counted bytes through " + how + " at " + "; ".join(parts) + " (measured on tbf-emulated links, "
-            "bench/results/scale/collbench.md); no overlap of communication with compute")
+            "bench/results/scale/collbench.md); " + (
+                "no overlap of communication with compute, except the payload all-reduces of "
+                "slimdp with --delay-steps 1, which overlap the next step (a step takes the longer "
+                "of the two)" if overlap else "no overlap of communication with compute"))
+
+
+def overlaps(result: Dict[str, Any]) -> bool:
+    """Whether :func:`project_result` overlaps ``result``'s collectives with its computation
+    (the Slim-DP hook with ``delay_steps=1``)."""
+    return result.get("method") == "slimdp" and bool((result.get("config") or {}).get("delay_steps"))
 
 
 # ---------------------------------------------------------------------------
@@ -585,7 +597,7 @@ def project_result(result: Dict[str, Any], rate: str, ran_on: LinkModel,
     kind = pattern_of(result["method"], result.get("config"))
     w = int(result["world_size"])
     per_step = collectives_per_step(result)
-    if result.get("method") == "slimdp" and (result.get("config") or {}).get("delay_steps"):
+    if overlaps(result):
         # delay_steps=1: the payload all-reduces overlap the next step's computation, so a step
         # takes the longer of the two; the small checksum all-reduces do not overlap
         nb = float(_buckets(result))
@@ -612,7 +624,8 @@ def add_link_times(result: Dict[str, Any], measured_link: Dict[str, Any],
         "measured_link": measured_link,
         "collectives_per_step": collectives_per_step(result),
         "compute_s_per_step": comp[-1][1] / steps,
-        "assumptions": projection_note([r for r in rates if r in EMULATED_LINKS], [result["method"]]),
+        "assumptions": projection_note([r for r in rates if r in EMULATED_LINKS], [result["method"]],
+                                       overlaps(result)),
         "links": {rate: project_result(result, rate, ran_on) for rate in rates},
     }
     return result
