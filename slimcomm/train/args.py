@@ -530,6 +530,9 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     model = getattr(args, "model", None) or "mlp"
     args.model = model
     lm = model == "gpt"
+    from .sharding import check_mesh_args
+
+    check_mesh_args(args, bad)  # first: --mesh's refusals name --mesh
     if args.method == "ist" and model not in ("mlp", "gpt"):
         bad(f"--method ist needs --model mlp or gpt (IST partitions the hidden neurons of an nn.Sequential "
             f"MLP, or the attention heads and FFN neurons of the GPT's blocks); got --model {model}")
@@ -637,7 +640,4 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.method == "ist" and args.grad_clip > 0 and not lm:
         bad("--grad-clip does not apply to --method ist with --model mlp (ISTTrainer.step runs backward and the "
             "optimizer step itself; with --model gpt, GPTISTTrainer clips each rank's subnet gradient)")
-    from .sharding import check_mesh_args
-
-    check_mesh_args(args, bad)
     return args
