@@ -17,6 +17,8 @@ from slimcomm.train.workloads import models as models_mod
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6
+# --val-batches 3 on 4 ranks: rank 3 has no validation batch of its own and must still run the sharded
+# forwards with its replica group (TextTask.evaluate(lockstep=True)); without that the evaluation hangs
 TINY = ["--model", "gpt", "--world-size", "4", "--mesh", "2,2", "--n-layer", "1", "--n-embd", "16",
         "--n-head", "2", "--block-size", "16", "--batch-size", "4", "--steps", str(STEPS), "--eval-every", "3",
         "--val-batches", "3", "--no-progress", "--threads", "1", "--timeout", "60"]

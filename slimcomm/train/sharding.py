@@ -70,8 +70,6 @@ def check_mesh_args(args: argparse.Namespace, bad: Callable[[str], None]) -> Non
         bad("--profile does not apply with --mesh (it times the DDP and optimizer-side methods unsharded)")
     if getattr(args, "delay_steps", 0):
         bad("--delay-steps 1 does not apply with --mesh (the FSDP2 Slim-DP hook has no delayed mode)")
-    if getattr(args, "device", "cpu") == "cuda" and not torch.cuda.is_available():  # pragma: no cover
-        bad("--mesh with --device cuda needs CUDA")
 
 
 def _padded_shard_numel(p: torch.Tensor, shard_size: int) -> int:
