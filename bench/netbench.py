@@ -102,32 +102,63 @@ def _ip(*cmd: str) -> None:
 
 
 class EmulatedNetwork:
-    """Per-rank network namespaces joined by rate-limited veth links.
+    """Per-node network namespaces joined by rate-limited veth links.
 
-    ``with EmulatedNetwork(world_size, rate) as net:`` creates namespaces
-    ``net.namespaces[r]`` (names carry this process id, so concurrent runs do
-    not collide), assigns rank r the address ``net.addrs[r]`` on interface
-    ``net.ifnames[r]``, and removes everything on exit.
+    ``with EmulatedNetwork(world_size, rate, nodes=N) as net:`` creates one
+    namespace per node, ``net.namespaces[n]`` (names carry this process id, so
+    concurrent runs do not collide), gives node n the address ``net.addrs[n]``
+    on its uplink interface ``net.ifnames[n]``, and removes everything on exit.
+    Ranks ``n*S .. n*S+S-1`` (``S = world_size / nodes``) run in node n's
+    namespace (:meth:`node_of`, :meth:`exec_prefix`) and share its address:
+    between them traffic goes over the namespace's loopback (not limited), and
+    everything between nodes crosses the uplinks. ``nodes`` defaults to
+    ``world_size``: one rank per node, every rank on its own limited link.
 
-    Topology: 2 ranks -> one veth pair; more -> one veth pair per rank into a
+    Topology: 2 nodes -> one veth pair; more -> one veth pair per node into a
     bridge in a hub namespace. A ``tbf`` qdisc at ``rate`` sits on both ends
-    of every veth pair, so each rank's send and receive are both limited.
+    of every veth pair, so each node's send and receive are both limited.
     """
 
-    def __init__(self, world_size: int, rate: str, subnet: int = 77):
+    def __init__(self, world_size: int, rate: str, subnet: int = 77, nodes: Optional[int] = None):
         if world_size < 2:
             raise ValueError(f"--world-size must be >= 2 for a network benchmark, got {world_size}")
         if world_size > 250:
             raise ValueError(f"--world-size {world_size} too large for one /24")
+        nodes = world_size if nodes is None else nodes
+        if nodes < 2:
+            raise ValueError(f"--nodes must be >= 2 (the rate-limited link is between nodes), got {nodes}")
+        if world_size % nodes:
+            raise ValueError(f"--nodes {nodes} does not divide --world-size {world_size}")
         self.world_size = world_size
+        self.nodes = nodes
+        self.ranks_per_node = world_size // nodes
         self.rate = rate
         self.rate_bps = parse_rate(rate)
         tag = f"scb{os.getpid()}"
-        self.namespaces = [f"{tag}r{r}" for r in range(world_size)]
-        self.hub = f"{tag}hub" if world_size > 2 else None
-        self.ifnames = [f"v{r}" for r in range(world_size)]
-        self.addrs = [f"10.{subnet}.0.{r + 1}" for r in range(world_size)]
+        self.namespaces = [f"{tag}r{n}" for n in range(nodes)]
+        self.hub = f"{tag}hub" if nodes > 2 else None
+        self.ifnames = [f"v{n}" for n in range(nodes)]
+        self.addrs = [f"10.{subnet}.0.{n + 1}" for n in range(nodes)]
         self.created: List[str] = []
+
+    def node_of(self, rank: int) -> int:
+        """The node (namespace index) rank ``rank`` runs in."""
+        return rank // self.ranks_per_node
+
+    def uplink_bytes(self) -> List[Dict[str, int]]:
+        """Every node's uplink kernel counters now: ``[{"tx_bytes", "rx_bytes"}, ...]`` by node."""
+        out = []
+        for n, ns in enumerate(self.namespaces):
+            vals = {}
+            for k in ("tx_bytes", "rx_bytes"):
+                r = subprocess.run(["ip", "netns", "exec", ns, "cat",
+                                    f"/sys/class/net/{self.ifnames[n]}/statistics/{k}"],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"reading {k} of {self.ifnames[n]} in {ns} failed: {r.stderr.strip()}")
+                vals[k] = int(r.stdout.strip())
+            out.append(vals)
+        return out
 
     def _tbf(self, ns: str, dev: str) -> None:
         # burst must cover at least one timer tick at this rate, else tbf under-delivers.
@@ -181,10 +212,11 @@ class EmulatedNetwork:
         return [n for n in self.namespaces + ([self.hub] if self.hub else []) if n in names]
 
     def exec_prefix(self, rank: int) -> List[str]:
-        return ["ip", "netns", "exec", self.namespaces[rank]]
+        """The command prefix that runs a process of rank ``rank`` in its node's namespace."""
+        return ["ip", "netns", "exec", self.namespaces[self.node_of(rank)]]
 
     def measure_mbit(self, megabytes: float = 8.0, port: int = 29411, timeout: float = 120.0) -> float:
-        """TCP throughput from rank 1 to rank 0 through the emulated link, in Mbit/s."""
+        """TCP throughput from node 1 to node 0 through the emulated link, in Mbit/s."""
         server = (
             "import socket,sys\n"
             "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
@@ -203,12 +235,12 @@ class EmulatedNetwork:
             f"for _ in range({int(megabytes)}): c.sendall(buf)\n"
             "c.shutdown(socket.SHUT_WR); c.recv(16); print(time.perf_counter()-t, flush=True)\n"
         )
-        srv = subprocess.Popen(self.exec_prefix(0) + [sys.executable, "-c", server],
+        srv = subprocess.Popen(["ip", "netns", "exec", self.namespaces[0], sys.executable, "-c", server],
                                stdout=subprocess.PIPE, text=True)
         try:
             if srv.stdout.readline().strip() != "ready":
                 raise RuntimeError("link throughput probe: server did not start")
-            out = subprocess.run(self.exec_prefix(1) + [sys.executable, "-c", client],
+            out = subprocess.run(["ip", "netns", "exec", self.namespaces[1], sys.executable, "-c", client],
                                  capture_output=True, text=True, timeout=timeout)
             if out.returncode != 0:
                 raise RuntimeError(f"link throughput probe failed: {out.stderr.strip()}")
@@ -234,15 +266,17 @@ def run_job(net: EmulatedNetwork, method: str, out_json: str, train_args: Sequen
     env.pop("WORLD_SIZE", None)
     if os.path.exists(out_json):
         os.remove(out_json)
+    uplinks0 = net.uplink_bytes()
     try:
         for r in range(net.world_size):
-            e = dict(env, GLOO_SOCKET_IFNAME=net.ifnames[r])
+            iface = net.ifnames[net.node_of(r)]  # the node's uplink; ranks of one node meet over loopback
+            e = dict(env, GLOO_SOCKET_IFNAME=iface)
             cmd = net.exec_prefix(r) + [
                 sys.executable, "-m", "slimcomm.train", "--method", method,
                 "--rank", str(r), "--world-size", str(net.world_size),
                 "--master-addr", net.addrs[0], "--master-port", str(port),
                 "--threads", str(threads), "--out", out_json, "--timeout", str(timeout),
-                "--wire-iface", net.ifnames[r],
+                "--wire-iface", iface,
             ] + (["--no-progress"] if r > 0 else []) + list(train_args)
             log = open(os.path.join(log_dir, f"{os.path.basename(out_json)[:-5]}_rank{r}.log"), "w")
             logs.append(log)
@@ -272,8 +306,24 @@ def run_job(net: EmulatedNetwork, method: str, out_json: str, train_args: Sequen
             with open(os.path.join(log_dir, f"{os.path.basename(out_json)[:-5]}_rank{r}.log")) as f:
                 tails.append(f"--- rank {r} (exit {codes[r]}) ---\n" + "".join(f.readlines()[-15:]))
         raise RuntimeError(f"{method} at {net.rate} failed or timed out:\n" + "\n".join(tails))
+    uplinks1 = net.uplink_bytes()
     with open(out_json) as f:
-        return json.load(f)
+        res = json.load(f)
+    res["nodes"] = {
+        "nodes": net.nodes, "ranks_per_node": net.ranks_per_node, "uplink_iface": list(net.ifnames),
+        "uplink_tx_bytes": [b["tx_bytes"] - a["tx_bytes"] for a, b in zip(uplinks0, uplinks1)],
+        "uplink_rx_bytes": [b["rx_bytes"] - a["rx_bytes"] for a, b in zip(uplinks0, uplinks1)],
+        "definition": NODE_BYTES_DEFINITION}
+    with open(out_json, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+NODE_BYTES_DEFINITION = (
+    "kernel tx/rx byte counters of each node's rate-limited uplink (the veth of its namespace), read by "
+    "netbench before the ranks start and after they exit: the whole job (rendezvous, training, evaluation, "
+    "TCP/IP framing); traffic between ranks of one node stays on its loopback and is not in them"
+)
 
 
 from netbench_report import (  # noqa: E402,F401  (re-exported: tests, costmodel)
@@ -317,6 +367,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="comma-separated slimcomm.train methods; METHOD@TAG is a labelled variant of METHOD "
                         "(give it its own --method-args)")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=None, metavar="R",
+                   help="R nodes of world-size/R ranks each (ranks r*S..r*S+S-1 form node r): the ranks of a node "
+                        "share one namespace and meet over its loopback, the nodes are joined by the rate-limited "
+                        "links, and each node's uplink bytes are in the results ('nodes'); with --model gpt pass "
+                        "--mesh R,S after -- to shard the GPT inside the nodes (default: one rank per node)")
     p.add_argument("--threads", type=int, default=None, help="threads per rank (default: cores / ranks)")
     p.add_argument("--stop-at-target", default="", metavar="RATES",
                    help="rates at which runs stop once the target accuracy is reached (saves time; the "
@@ -415,6 +470,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = sorted(set(timed_steps) - {None} - set(methods))
     if unknown:
         p.error(f"--timed-steps: {unknown} not in --methods")
+    nodes = a.nodes if a.nodes is not None else a.world_size
+    if nodes < 2 or a.world_size % nodes:
+        p.error(f"--nodes {nodes}: must be >= 2 and divide --world-size {a.world_size}")
+    mesh_arg = [t for i, t in enumerate(train_args) if i > 0 and train_args[i - 1] == "--mesh"] + \
+        [t.split("=", 1)[1] for t in train_args if t.startswith("--mesh=")]
+    if mesh_arg and mesh_arg[-1].split(",")[0].strip() != str(nodes):
+        p.error(f"--mesh {mesh_arg[-1]} after -- must have R = --nodes {nodes} (one replica group per node)")
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.world_size)
     name = a.name or f"netbench_{a.world_size}ranks"
     json_dir = os.path.join(a.out_dir, name)
@@ -426,11 +488,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: Dict[str, Dict[str, Dict]] = {}
     measured: Dict[str, float] = {}
     for rate in rates:
-        net = EmulatedNetwork(a.world_size, rate)
+        net = EmulatedNetwork(a.world_size, rate, nodes=nodes)
         try:
             with net:
                 measured[rate] = net.measure_mbit(megabytes=max(4, min(64, net.rate_bps / 8e6 * 3)))
-                print(f"[netbench] {rate}: {a.world_size} namespaces up, measured {measured[rate]:.0f} Mbit/s",
+                print(f"[netbench] {rate}: {nodes} namespaces up ({net.ranks_per_node} rank(s) each), "
+                      f"measured {measured[rate]:.0f} Mbit/s",
                       flush=True)
                 results[rate] = {}
                 for m in methods:
@@ -477,7 +540,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  f"{'%.1f s' % t['train_time_s'] if t else 'not reached'}")
                         print(f"[netbench] {rate} {m}{suffix}: {score}, "
                               f"{r['final']['bytes_sent_per_rank'] / 1e6:.1f} MB/rank, "
-                              f"job {time.perf_counter() - t0:.0f} s", flush=True)
+                              + (f"uplink TX MB per node {[round(b / 1e6, 2) for b in r['nodes']['uplink_tx_bytes']]}, "
+                                 if r.get("nodes") and net.ranks_per_node > 1 else "")
+                              + f"job {time.perf_counter() - t0:.0f} s", flush=True)
         finally:
             left = net.leftovers()
             if left:
@@ -492,7 +557,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
            if m.split("@")[0] in ("topk", "slimdp") else "")
         for m, runs in next(iter(results.values())).items())
     header = (
-        f"## slimcomm netbench: {a.world_size} ranks, one network namespace each, tbf-limited veth links\n\n"
+        f"## slimcomm netbench: {_topology(a)}\n\n"
         f"Data {any_r['dataset']['name']} ({any_r['dataset']['train_samples_per_rank']} training samples per rank), "
         f"MLP hidden {cfg['hidden']} ({any_r['model']['num_params']:,} parameters), "
         f"batch {cfg['batch_size']} per rank, "
@@ -521,6 +586,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _topology(a) -> str:
+    """The heading's description of the emulated network."""
+    nodes = a.nodes if a.nodes is not None else a.world_size
+    if nodes == a.world_size:
+        return f"{a.world_size} ranks, one network namespace each, tbf-limited veth links"
+    s = a.world_size // nodes
+    return (f"{a.world_size} ranks as {nodes} nodes of {s} (one network namespace per node, its ranks over "
+            f"loopback), tbf-limited veth links between the nodes; wire = the node's uplink counters, "
+            f"shared by its {s} ranks; uplink bytes per node in each JSON's 'nodes'")
+
+
 def _finish_lm(results, measured, a, argv, train_args, threads, seeds, name) -> int:
     any_r = next(iter(next(iter(results.values())).values()))[0]
     cfg = any_r["config"]
@@ -529,7 +605,7 @@ def _finish_lm(results, measured, a, argv, train_args, threads, seeds, name) -> 
         if runs[0]["config"].get(k) is not None) for m, runs in next(iter(results.values())).items()
         if m.split("@")[0] in ("diloco", "sparseloco", "slimdp-local", "slimdp", "topk"))
     header = (
-        f"## slimcomm netbench (GPT): {a.world_size} ranks, one network namespace each, tbf-limited veth links\n\n"
+        f"## slimcomm netbench (GPT): {_topology(a)}\n\n"
         f"GPT {cfg['n_layer']} layers, {cfg['n_embd']}-dim, {cfg['n_head']} heads, block {cfg['block_size']} "
         f"({any_r['model']['num_params']:,} parameters), {cfg['tokens']}-level text ({cfg.get('text_file') or 'fortunes'}), "
         f"batch {cfg['batch_size']} sequences per rank, {any_r['steps']} steps, AdamW lr {cfg['lr']:g} "

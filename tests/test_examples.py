@@ -110,6 +110,20 @@ def test_fsdp_example_trains_saves_and_resumes(tmp_path):
     assert re.search(r"^step +80  loss \d", out, re.M), out
 
 
+@pytest.mark.parametrize("method,max_share", [("slimdp", 0.15), ("slimdp-local", 0.02)])
+def test_fsdp_gpt_example_trains_with_few_bytes_between_nodes(method, max_share, tmp_path):
+    with open(os.path.join(EXAMPLES, "fsdp_gpt.py")) as f:
+        src = f.read()
+    assert "torchrun --nproc-per-node 4 examples/fsdp_gpt.py" in src.split('"""')[1]
+    assert "slimcomm.fsdp" not in src and "slimcomm.optim" not in src   # the public top-level API only
+    out = _launch("fsdp_gpt.py", "--method", method, "--steps", "40", cwd=tmp_path, nproc=4)
+    assert f"4 ranks on cpu as 2 nodes x 2 shards" in out and f"method {method}" in out, out
+    m = re.search(rf"{method}: sent ([\d.]+) MB per rank across the replicate dimension vs ([\d.]+) MB", out)
+    assert m and 0 < float(m.group(1)) < max_share * float(m.group(2)), out
+    m = re.search(r"^validation loss (\d+\.\d+) \(uniform: (\d+\.\d+)\)$", out, re.M)
+    assert m and float(m.group(1)) < float(m.group(2)) - 0.5, out
+
+
 def _readme_snippets():
     """The README's Python blocks that start with '# Save as NAME.py, launch with: torchrun ...'."""
     with open(os.path.join(REPO, "README.md")) as f:

@@ -186,3 +186,55 @@ def test_collbench_through_the_emulated_link(tmp_path):
     assert "200mbit, idle gap 0 ms" in (tmp_path / "cb.md").read_text()
     # the namespaces carry this process's id (EmulatedNetwork); other jobs may have their own meanwhile
     assert not any(n.startswith(f"scb{os.getpid()}") for n in _netns_names())
+
+
+def test_nodes_topology_gpt_mesh(tmp_path):
+    """4 ranks as 2 nodes x 2 (--nodes 2) with the GPT sharded --mesh 2,2: FSDP's traffic inside a node stays
+    on its loopback, only the replicate exchange crosses the nodes' rate-limited uplinks, whose kernel
+    counters (per node) carry about the ranks' replicate payload; Slim-DP puts far fewer bytes on them."""
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n" * 60)
+    out = tmp_path / "res"
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "bench", "netbench.py"), "--world-size", "4", "--nodes", "2",
+         "--rates", "50mbit", "--methods", "ddp,slimdp", "--out-dir", str(out), "--name", "nodes",
+         "--timeout", "240", "--port", "29601", "--",
+         "--model", "gpt", "--mesh", "2,2", "--text-file", str(text), "--n-layer", "1", "--n-embd", "32",
+         "--n-head", "2", "--block-size", "16", "--batch-size", "4", "--steps", "8", "--eval-every", "4",
+         "--val-batches", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=500)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert not {n for n in _netns_names() if n.startswith(f"scb{proc.pid}")}
+    assert "2 namespaces up (2 rank(s) each)" in stdout, stdout
+    assert "as 2 nodes of 2" in (out / "nodes.md").read_text()
+    ddp = json.loads((out / "nodes" / "50mbit_ddp.json").read_text())
+    slim = json.loads((out / "nodes" / "50mbit_slimdp.json").read_text())
+    for r in (ddp, slim):
+        n = r["nodes"]
+        assert (n["nodes"], n["ranks_per_node"], n["uplink_iface"]) == (2, 2, ["v0", "v1"])
+        assert [w["iface"] for w in r["wire"]] == ["v0", "v0", "v1", "v1"]
+        # what one node sends, the other receives (one link between them)
+        assert n["uplink_tx_bytes"] == n["uplink_rx_bytes"][::-1]
+    # ddp = HSDP: each node's 2 ranks send their fp32 gradient shard every step (2-rank all-reduce: once);
+    # the FSDP all-gathers / reduce-scatters inside a node (several times that) are not on the uplink
+    payload = 2 * ddp["mesh"]["replicate_bytes_per_rank"]
+    for tx in ddp["nodes"]["uplink_tx_bytes"]:
+        assert payload < tx < 1.5 * payload, (tx, payload)
+    assert max(slim["nodes"]["uplink_tx_bytes"]) < 0.6 * min(ddp["nodes"]["uplink_tx_bytes"])
+
+
+def test_nodes_refusals():
+    import netbench
+
+    with pytest.raises(ValueError, match="--nodes 3 does not divide --world-size 4"):
+        netbench.EmulatedNetwork(4, "10mbit", nodes=3)
+    with pytest.raises(ValueError, match="--nodes must be >= 2"):
+        netbench.EmulatedNetwork(4, "10mbit", nodes=1)
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "netbench.py"), "--world-size", "4",
+                        "--nodes", "2", "--methods", "ddp", "--", "--model", "gpt", "--mesh", "4,1"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode != 0 and "--mesh 4,1 after -- must have R = --nodes 2" in r.stderr, r.stderr

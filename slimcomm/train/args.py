@@ -116,6 +116,12 @@ def _hidden(s: str):
     return sizes
 
 
+def _mesh(s: str):
+    from .sharding import parse_mesh
+
+    return parse_mesh(s)
+
+
 def _methods(s: str):
     ms = [m.strip() for m in s.split(",") if m.strip()]
     bad = [m for m in ms if m not in METHODS]
@@ -187,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the phases of every training step on every rank (forward, backward, the comm "
                         "hook, the wait for the collectives, the optimizer; slimcomm.train.profile) into the "
                         "results JSON's 'profile'; CPU only, not for --method ist")
+    g.add_argument("--mesh", type=_mesh, default=None, metavar="R,S",
+                   help="--model gpt only: shard the GPT with FSDP2 over a (replicate, shard) mesh of R replica "
+                        "groups ('nodes': ranks r*S..r*S+S-1) of S ranks each, R*S = --world-size; methods ddp "
+                        "(HSDP), slimdp (the FSDP2 Slim-DP hook), slimdp-local, diloco, sparseloco "
+                        "(SlimDPOptimizer across the replicate dimension); bytes are counted across the "
+                        "replicate dimension (slimcomm.train.sharding)")
     g.add_argument("--wire-iface", default=None, metavar="IFACE",
                    help="also report the bytes this network interface sent and received (kernel counters) during "
                         "training steps, per rank and per step (bench/netbench.py sets it)")
@@ -415,6 +427,11 @@ def _resolve_launch(args: argparse.Namespace) -> None:
         args.local_rank = None
         args.local_world_size = args.world_size
     args.external = external
+    if getattr(args, "mesh", None) is not None:
+        if args.link_times:
+            raise SystemExit("error: --link-times does not apply with --mesh (the projection models one link "
+                             "per rank; bench/netbench.py measures the link between nodes)")
+        args.link_times = ()
     if args.link_times is None:
         from .projection import DEFAULT_RATES
 
@@ -513,6 +530,9 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     model = getattr(args, "model", None) or "mlp"
     args.model = model
     lm = model == "gpt"
+    from .sharding import check_mesh_args
+
+    check_mesh_args(args, bad)  # first: --mesh's refusals name --mesh
     if args.method == "ist" and model not in ("mlp", "gpt"):
         bad(f"--method ist needs --model mlp or gpt (IST partitions the hidden neurons of an nn.Sequential "
             f"MLP, or the attention heads and FFN neurons of the GPT's blocks); got --model {model}")

@@ -37,6 +37,7 @@ from .wire import WireCounter
 from . import projection as train_projection
 from .args import _resolve_launch, apply_method_defaults, build_parser, log_level, setup_logging
 from .methods import _Method
+from .sharding import REPLICATE_BYTES_DEFINITION
 from .tasks import _ImageTask, _TextTask
 
 log = logging.getLogger("slimcomm.train")  # the command's name in its log lines
@@ -62,7 +63,7 @@ def _config_fingerprint(args, extra) -> int:
             "min_lr", "grad_clip", "seed", "powersgd_rank", "powersgd_start_iter", "core_ratio", "explore_ratio",
             "core_refresh", "warmup_steps", "value_dtype", "local_steps", "eval_every", "device", "tokens",
             "n_layer", "n_embd", "n_head", "block_size", "dropout", "val_batches", "sync_every", "outer_lr",
-            "outer_momentum", "value_bits", "error_decay", "no_scale_grads", "time_budget", "ist_shared")
+            "outer_momentum", "value_bits", "error_decay", "no_scale_grads", "time_budget", "ist_shared", "mesh")
     s = json.dumps([[k, getattr(args, k)] for k in keys] + [extra], default=str)
     return int.from_bytes(hashlib.sha256(s.encode()).digest()[:6], "little")
 
@@ -155,7 +156,8 @@ def _train(rank, world_size, args, device, backend):
             method.before_eval()  # IST: write back + repartition (communication, counted as training)
         t1 = time.perf_counter()
         with method.eval_context():
-            scores = task.evaluate(method.eval_model(), world_size, split=method.eval_split)
+            kw = {"lockstep": True} if method.eval_lockstep else {}  # --mesh: sharded forwards in step
+            scores = task.evaluate(method.eval_model(), world_size, split=method.eval_split, **kw)
         t2 = time.perf_counter()
         train_time += t1 - t0
         eval_time += t2 - t1
@@ -276,7 +278,9 @@ def _train(rank, world_size, args, device, backend):
         "stopped_at_budget": budget["hit"],
         "stopped_at_target": bool(args.stop_at_target and time_to_target is not None
                                   and method.steps < task.total_steps),
-        "bytes_definition": BYTES_DEFINITION,
+        "bytes_definition": BYTES_DEFINITION if method.mesh is None else REPLICATE_BYTES_DEFINITION,
+        # --mesh R,S: the sizes and the bytes across the replicate dimension (the slow link); else None
+        "mesh": method.mesh.describe(method.steps) if method.mesh is not None else None,
         "dense_bytes_per_step": method.dense_step_bytes,
         "epochs": epochs,
         "evals": evals,
@@ -430,7 +434,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results.append(r)
         args.out = a.out if not args.compare else args.out
     print()
-    print(setting_summary(results) + "; MB = payload bytes handed to collectives per rank")
+    what = ("payload bytes per rank across the replicate dimension (--mesh: between replica groups)"
+            if any(r.get("mesh") for r in results) else "payload bytes handed to collectives per rank")
+    print(setting_summary(results) + "; MB = " + what)
     print(compare_table(results))
     print(machine_note(results))
     projected = [r for r in results if r.get("link_times")]

@@ -82,7 +82,9 @@ def _make_optimizer(params, args, lr: Optional[float] = None) -> torch.optim.Opt
 SYNC_OPTIMIZER_BUILDERS: Dict[str, Callable[[argparse.Namespace, nn.Module, torch.optim.Optimizer], Any]] = {}
 
 
-def _build_sync_optimizer(args, model, inner):
+def _build_sync_optimizer(args, model, inner, process_group=None):
+    """``process_group``: the group the optimizer synchronises over (``--mesh``: ``mesh["replicate"]``;
+    None = every rank)."""
     from ..optim import SlimDPOptimizer
 
     m = args.method
@@ -100,7 +102,7 @@ def _build_sync_optimizer(args, model, inner):
         full = args.core_ratio + args.explore_ratio >= 1 or args.value_bits is not None
         kw.update(compression="dense" if full else "shared", core_ratio=args.core_ratio,
                   explore_ratio=args.explore_ratio, core_refresh=args.core_refresh)
-    return SlimDPOptimizer(model, inner, **kw)
+    return SlimDPOptimizer(model, inner, process_group=process_group, **kw)
 
 
 for _m in SYNC_DEFAULTS:
@@ -153,6 +155,25 @@ class _Method:
 
         self._factor = factor
         m = self.name
+        self.mesh = None
+        self.eval_lockstep = False
+        if getattr(args, "mesh", None) is not None:
+            # FSDP2 over a (replicate, shard) mesh (slimcomm.train.sharding): the parameters become
+            # DTensor shards; every rank of a replica group takes part in each forward, evaluations too
+            from .sharding import MeshSetup
+
+            self.mesh = MeshSetup(args, model, lambda params: _make_optimizer(params, args),
+                                  _build_sync_optimizer)
+            self.params = list(model.parameters())
+            self.dense_step_bytes = self.mesh.dense_step_bytes
+            self.sync_optimizer = self.mesh.sync_optimizer is not None
+            self.hook_state = self.mesh.hook_state
+            self.opt, inner = self.mesh.opt, self.mesh.inner
+            self.forward_model = model
+            self.eval_lockstep = True
+            if self._scheduled:
+                self.sched = torch.optim.lr_scheduler.LambdaLR(inner, factor)
+            return
         if m == "ist" and args.model == "gpt":
             from ..ist import GPTISTTrainer
 
@@ -292,6 +313,8 @@ class _Method:
         its collectives have no other rank to send to, whatever the method)."""
         if self.world_size == 1:
             return 0
+        if self.mesh is not None:  # across the replicate dimension only (sharding.REPLICATE_BYTES_DEFINITION)
+            return self.mesh.replicate_bytes(self.steps)
         m = self.name
         if m == "local":
             return 0

@@ -173,16 +173,25 @@ class _TextTask:
         return f"{self.total_steps} steps"
 
     @torch.no_grad()
-    def evaluate(self, model, world_size, split: bool = True) -> Dict[str, float]:
+    def evaluate(self, model, world_size, split: bool = True, lockstep: bool = False) -> Dict[str, float]:
         """Mean validation loss (nats/token) over all validation batches; each rank takes every W-th one.
         Collective (one all-reduce). ``split=False``: every rank scores its own model on every batch;
-        the result is the mean over ranks."""
+        the result is the mean over ranks. ``lockstep=True`` (a model sharded with FSDP, whose forward
+        is collective inside a replica group): every rank runs the same number of forwards,
+        ceil(batches / W); a rank left without a batch of its own scores the first one again, uncounted."""
         was = model.training
         model.eval()
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for x, y in (self.val[self.rank::world_size] if split else self.val):
-            acc[0] += F.cross_entropy(model(x).reshape(-1, self.vocab_size), y.reshape(-1), reduction="sum").double()
-            acc[1] += y.numel()
+        mine = self.val[self.rank::world_size] if split else self.val
+        rounds = len(mine)
+        if lockstep and split:
+            rounds = -(-len(self.val) // world_size)
+        for i in range(rounds):
+            x, y = mine[i] if i < len(mine) else self.val[0]
+            loss = F.cross_entropy(model(x).reshape(-1, self.vocab_size), y.reshape(-1), reduction="sum").double()
+            if i < len(mine):
+                acc[0] += loss
+                acc[1] += y.numel()
         dist.all_reduce(acc)
         model.train(was)
         return {"val_loss": acc[0].item() / acc[1].item()}
