@@ -118,6 +118,19 @@ def _memory_order_flat(t: torch.Tensor) -> torch.Tensor:
     return v.reshape(-1) if v.is_contiguous() else t.reshape(-1)
 
 
+def _index_set(state, layout, step, weight):
+    """``(indices, n_explore)`` of a group at compressed step ``step``: the core set refreshed
+    when due (or not known yet), the explore set appended, and every
+    ``check_agreement_every``-th step the cross-rank check of both (the shared index mode)."""
+    since = step - state.warmup_steps
+    if since % state.core_refresh == 0 or layout.core is None:
+        state._refresh_core(layout, since % state.core_refresh == 0, weight)
+    idx, n_explore = _select_explore(state, layout, layout.core, step)
+    if state.check_agreement_every and since % state.check_agreement_every == 0:
+        _check_agreement(state, layout, idx)
+    return idx, n_explore
+
+
 def _select_explore(state, layout, core, step):
     if sum(layout.ms) == 0:
         return core, 0

@@ -40,7 +40,7 @@ import torch
 
 from ... import _comm, ops
 from ..feedback import _encode
-from ..selection import _check_agreement, _select_explore
+from ..selection import _index_set
 from .dense import _segment_max_abs
 
 
@@ -56,12 +56,7 @@ def _delayed(state, layout, buf, world_size, step, weight):
         idx = None
         state._count(n * buf.element_size(), n * wire.element_size(), n, n, n, 0)
     else:
-        since = step - state.warmup_steps
-        if since % state.core_refresh == 0 or layout.core is None:
-            state._refresh_core(layout, since % state.core_refresh == 0, weight)
-        idx, n_explore = _select_explore(state, layout, layout.core, step)
-        if state.check_agreement_every and since % state.check_agreement_every == 0:
-            _check_agreement(state, layout, idx)
+        idx, n_explore = _index_set(state, layout, step, weight)
         wire, _ = _encode(state, layout, buf, idx, world_size, wire_dtype, None)
         k = idx.numel()
         state._count(n * buf.element_size(), wire.numel() * wire.element_size(), n, k,

@@ -3,16 +3,11 @@ all-reduce of ``k + m`` values plus the flags; no index travels."""
 
 from ... import _comm, ops
 from ..feedback import _commit, _encode
-from ..selection import _check_agreement, _select_explore
+from ..selection import _index_set
 
 
 def _shared(state, layout, buf, world_size, step, weight):
-    since = step - state.warmup_steps
-    if since % state.core_refresh == 0 or layout.core is None:
-        state._refresh_core(layout, since % state.core_refresh == 0, weight)
-    idx, n_explore = _select_explore(state, layout, layout.core, step)
-    if state.check_agreement_every and since % state.check_agreement_every == 0:
-        _check_agreement(state, layout, idx)
+    idx, n_explore = _index_set(state, layout, step, weight)
     scale = state._loss_scale(layout)
     wire, acc = _encode(state, layout, buf, idx, world_size, state.value_dtype or buf.dtype,
                         scale)
