@@ -16,6 +16,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 
 from tabulate import tabulate
@@ -40,6 +41,9 @@ def load(dirs):
             rate, sep, label = stem.partition("_")
             if not sep:  # slimcomm.train --profile's own --out-dir: METHOD.json, no rate
                 rate, label = "loopback", stem
+            m = re.fullmatch(r"(.+)_s(\d+)", label)  # netbench's per-seed files: LABEL_sSEED
+            if m:
+                label = m.group(1) if m.group(2) == "0" else f"{m.group(1)} (seed {m.group(2)})"
             out.setdefault(rate, {})[label] = r
     return out
 
