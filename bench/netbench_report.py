@@ -67,6 +67,17 @@ def _wire_cells(runs: Sequence[Dict]) -> List[str]:
     return [f"{wire / 1e6:.3f}", f"{ratio:.2f}" if ratio is not None else "-"]
 
 
+def _uplink_mb_per_step(run: Dict) -> Optional[float]:
+    """Mean over nodes of a node's uplink TX bytes per training step, in MB (the ``nodes`` entry
+    netbench adds with ``--nodes``: kernel counters of the slow link over the whole job, so
+    rendezvous and evaluations are in it); None for one-rank nodes or runs without the entry."""
+    n = run.get("nodes")
+    if not n or n.get("ranks_per_node", 1) < 2 or not n.get("uplink_tx_bytes"):
+        return None
+    tx = n["uplink_tx_bytes"]
+    return sum(tx) / len(tx) / max(1, run["steps"]) / 1e6
+
+
 def _rate_title(rate: str, by_method: Dict[str, List[Dict]], measured: Dict[str, float]) -> str:
     """The section title of one rate; says when its rows are projected from timed runs."""
     title = f"\n### {rate} per link (measured {measured[rate]:.0f} Mbit/s TCP)\n"
@@ -231,6 +242,9 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
         base = med_t(times["ddp"]) if "ddp" in times else None
         ddp_loss = _median([r["final"]["val_loss"] for r in by_method["ddp"]]) if "ddp" in by_method else None
         lim = compute_limit(by_method, med_t(steps_to["ddp"]) if "ddp" in steps_to else None)
+        uplink = {m: [_uplink_mb_per_step(r) for r in runs] for m, runs in by_method.items()}
+        with_nodes = all(x is not None for xs in uplink.values() for x in xs)
+        ddp_up = _median(uplink["ddp"]) if with_nodes and "ddp" in uplink else None
         rows = []
         for m, runs in by_method.items():
             t = med_t(times[m])
@@ -251,6 +265,9 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
                 f"{_median([1000 * r['final']['train_time_s'] / max(1, r['steps']) for r in runs]):.0f}",
                 " ".join(runs[0].get("method_flags", [])) or "-",
             ])
+            if with_nodes:
+                up = _median(uplink[m])
+                rows[-1][10:10] = [f"{up:.3f}", f"{100 * up / ddp_up:.2f}%" if ddp_up else "-"]
             if lim is not None:
                 rows[-1].insert(4, f"{t / lim['seconds']:.2f}" if t is not None else "-")
         per_seed_target = len(set(seed_t)) > 1 or (n_seeds > 1 and "ddp" in by_method)
@@ -260,6 +277,8 @@ def markdown_lm(results: Dict[str, Dict[str, List[Dict]]], measured: Dict[str, f
                    "per seed (s)", "speed-up vs ddp", "step reached", "final val loss", "vs ddp", "steps",
                    "MB/rank/step", "% of ddp bytes", "wire MB/rank/step", "wire/payload", "ms/step",
                    "method flags"]
+        if with_nodes:
+            headers[10:10] = ["slow-link MB/node/step", "% of ddp's slow-link bytes"]
         if lim is not None:
             headers.insert(4, "x of the compute limit")
         parts.append(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))

@@ -123,13 +123,13 @@ def _train_until_failure(rank, steps, step_fn, model, before_sync):
     return dict(raised=False, max_abs=max(float(p.abs().max()) for p in model.parameters()))
 
 
-def _optim_victim(rank, world_size, compression, bits, how, timeout):
+def _optim_victim(rank, world_size, compression, bits, how, timeout, delay=0):
     m = _mlp()
     compression, _, collective = compression.partition("-")  # "dense-all_gather"
     opt = SlimDPOptimizer(m, torch.optim.AdamW(m.parameters(), lr=1e-2), sync_every=2,
                           compression=compression, value_bits=bits, core_ratio=0.1,
                           explore_ratio=0.1, timeout=timeout,
-                          lowbit_collective=collective or "all_reduce")
+                          lowbit_collective=collective or "all_reduce", delay_syncs=delay)
     dying = world_size - 1
     if rank == dying and how == "exit_mid_sync":
         # die after the per-sync agreement, inside the value collectives of sync 3
@@ -189,6 +189,16 @@ def test_optimizer_survivor_raises_when_a_rank_dies(compression, bits, how):
     _check_survivors(outs, 1, 20.0)
 
 
+@pytest.mark.parametrize("compression,bits", [("shared", None), ("dense", None), ("dense", 2),
+                                              ("dense-all_gather", 2)])
+@pytest.mark.parametrize("how", ["exit_mid_sync", "sigkill"])
+def test_optimizer_delayed_sync_survivor_raises_when_a_rank_dies(compression, bits, how):
+    """delay_syncs=1: the collectives of a synchronisation are waited for one period later, and
+    the failure is noticed there (or at the next agreement) before the model is written."""
+    outs = _outcomes(_optim_victim, 2, compression, bits, how, 20.0, 1)
+    _check_survivors(outs, 1, 20.0)
+
+
 def test_optimizer_three_ranks_all_survivors_raise():
     outs = _outcomes(_optim_victim, 3, "dense", 2, "sigkill", 20.0)
     _check_survivors(outs, 2, 20.0)
@@ -244,10 +254,10 @@ def _catch(fn):
     return None
 
 
-def _drift_case(rank, world_size, case):
+def _drift_case(rank, world_size, case, delay=0):
     m = _mlp()
     opt = SlimDPOptimizer(m, torch.optim.AdamW(m.parameters(), lr=1e-2), sync_every=4,
-                          timeout=20.0)
+                          timeout=20.0, delay_syncs=delay)
     n = {"uneven": 5 if rank == 0 else 8, "join": 5 if rank == 0 else 11}.get(case, 8)
 
     def loop():
@@ -283,8 +293,9 @@ def test_optimizer_drifting_sync_counts_raise_on_every_rank(case):
         assert "rank 0: local step" in res[r]["err"]
 
 
-def test_optimizer_join_handles_uneven_inputs():
-    res = run_workers(_drift_case, 2, "join", timeout=120)
+@pytest.mark.parametrize("delay", [0, 1])
+def test_optimizer_join_handles_uneven_inputs(delay):
+    res = run_workers(_drift_case, 2, "join", delay, timeout=120)
     assert res[0]["err"] is None and res[1]["err"] is None, res
     assert all(torch.equal(a, b) for a, b in zip(res[0]["params"], res[1]["params"]))
     assert res[0]["syncs"] == res[1]["syncs"] == 3  # steps 4, 8 and the last one at 11

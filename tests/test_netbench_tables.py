@@ -153,3 +153,27 @@ def test_compute_limit_lm():
     assert "ddp's 100 steps to the target x local's measured 200 ms/step" in md and "= 20.0 s" in md
     head = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| method")).split("|")[1:-1]]
     assert _row(md, "ddp")[head.index("x of the compute limit")] == "4.00"
+
+
+def test_slow_link_bytes_per_node_lm():
+    """With --nodes R of S > 1 ranks the GPT table gains the node's uplink MB per step (mean over nodes of
+    the TX counters / steps) and its share of ddp's; one-rank nodes or runs without the entry: no column."""
+    def lm(tx, steps=100):
+        r = {"config": {"seed": 0}, "steps": steps, "dense_bytes_per_step": 1000,
+             "evals": [{"step": steps, "train_time_s": 10.0, "val_loss": 2.0}],
+             "final": {"val_loss": 2.0, "train_time_s": 10.0, "bytes_sent_per_rank": 1000 * steps},
+             "metric": {"name": "val_loss"}, "method_flags": []}
+        if tx is not None:
+            r["nodes"] = {"nodes": 2, "ranks_per_node": 2, "uplink_tx_bytes": tx, "uplink_rx_bytes": tx[::-1]}
+        return r
+    res = {"1gbit": {"ddp": [lm([4e8, 6e8])], "slimdp-local": [lm([1e7, 1e7])]}}
+    md = netbench.markdown_lm(res, {"1gbit": 950.0}, "# h")
+    head = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| method")).split("|")[1:-1]]
+    up, share = head.index("slow-link MB/node/step"), head.index("% of ddp's slow-link bytes")
+    assert share == up + 1 and head[up - 1] == "% of ddp bytes"
+    assert _row(md, "ddp")[up] == "5.000" and _row(md, "ddp")[share] == "100.00%"
+    assert _row(md, "slimdp-local")[up] == "0.100" and _row(md, "slimdp-local")[share] == "2.00%"
+    res["1gbit"]["slimdp-local"][0]["nodes"]["ranks_per_node"] = 1
+    assert "slow-link" not in netbench.markdown_lm(res, {"1gbit": 950.0}, "# h")
+    del res["1gbit"]["ddp"][0]["nodes"]
+    assert "slow-link" not in netbench.markdown_lm(res, {"1gbit": 950.0}, "# h")

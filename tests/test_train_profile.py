@@ -13,7 +13,8 @@ PHASES = ("forward", "backward_compute", "hook", "wait", "optimizer")
 
 
 @pytest.mark.parametrize("method,extra", [("slimdp", ["--delay-steps", "1"]), ("ddp", []),
-                                          ("diloco", ["--sync-every", "4"])])
+                                          ("diloco", ["--sync-every", "4"]),
+                                          ("slimdp-local", ["--sync-every", "4", "--delay-syncs", "1"])])
 def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
     p = tmp_path / f"{method}.json"
     i = TINY.index("--epochs")
@@ -27,11 +28,13 @@ def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
     assert prof["steps"] == 24 and len(prof["ranks"]) == 2
     for rank in prof["ranks"]:
         seen = [ph for ph in PHASES if ph in rank]
-        hooked = method != "diloco"
+        hooked = method not in ("diloco", "slimdp-local")
         assert ("hook" in rank) == hooked and ("wait" in rank) == hooked, rank
         total = sum(rank[ph] for ph in seen)
         # the phases are consecutive: only the loop's own bookkeeping is outside them
         assert 0.9 * rank["step"] <= total <= rank["step"] + 1e-6, rank
+    if method == "slimdp-local":   # the delayed outer step, end to end through the command
+        assert res["config"]["delay_syncs"] == 1 and res["stats"]["syncs"] >= 6
     if method == "slimdp":
         assert res["config"]["delay_steps"] == 1
         assert res["stats"]["total"]["bytes_sent"] > 0
@@ -41,6 +44,9 @@ def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
     (["--method", "ddp", "--delay-steps", "1"], "--delay-steps"),
     (["--method", "topk", "--delay-steps", "0"], "--delay-steps"),
     (["--method", "ist", "--profile"], "--profile"),
+    (["--method", "slimdp", "--delay-syncs", "1"], "--delay-syncs"),
+    (["--method", "ddp", "--delay-syncs", "0"], "--delay-syncs"),
+    (["--method", "diloco", "--delay-syncs", "2"], "--delay-syncs"),
 ])
 def test_bad_profile_and_delay_options(argv, needle, monkeypatch, capsys):
     _no_env(monkeypatch)

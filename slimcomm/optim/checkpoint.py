@@ -113,6 +113,7 @@ class _CheckpointMixin:
         if self._start_pending:   # no inner step yet: the model itself is the starting point
             self._take_start()
             self._start_pending = True
+        delay = self._delay_state()   # first: waits for a synchronisation in flight
         local = [[p.detach() for p in (self._aside[i] if self._in_outer else g.params)]
                  for i, g in enumerate(self._groups)]
         state = {
@@ -128,6 +129,7 @@ class _CheckpointMixin:
             "local": local,
             "momentum": [g.momentum for g in self._groups],
             "compressor": self.compressor.state_dict(copy=False),
+            **delay,
         }
         return state if self._sharding is None else self._sharding.wrap(state)
 
@@ -163,6 +165,7 @@ class _CheckpointMixin:
                 raise ValueError("state_dict: saved by a SlimDPOptimizer over FSDP2 (DTensor) "
                                  "parameters, but this one's parameters are plain tensors")
             self._check_state(state_dict)
+            self._check_delay_state(state_dict)
             err = self.compressor._owner_error(state_dict["compressor"]["owner"])
             if err is not None:
                 raise err
@@ -190,6 +193,7 @@ class _CheckpointMixin:
         self._synced_at = state_dict["synced_at"]
         self._nonfinite_syncs = int(state_dict.get("nonfinite_syncs", 0))
         self._pending.clear()
+        self._load_delay_state(state_dict)
         # The checkpoint's outer copies are the starting point (identical on every rank).
         self._start_pending = False
         self._adopt_start = not state_dict.get("start_adopted", True)

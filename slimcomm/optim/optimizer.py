@@ -18,6 +18,7 @@ from .._comm import CollectiveError
 from ..agreement import agree_across_ranks
 from ..compressor import SlimDPCompressor
 from .checkpoint import _CheckpointMixin
+from .delayed import _DelayedMixin, _done
 from .groups import COMPRESSIONS, _GroupsMixin, _inner_size
 from .nonfinite import _NonfiniteMixin
 from .protocol import _ProtocolMixin
@@ -26,7 +27,8 @@ from . import sharded as _sharded
 __all__ = ["SlimDPOptimizer", "COMPRESSIONS", "CollectiveError"]
 
 
-class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _CheckpointMixin):
+class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _CheckpointMixin,
+                      _DelayedMixin):
     r"""Local steps of any torch optimizer + a Slim-DP-compressed outer step.
 
     See :mod:`slimcomm.optim` for the algorithm. Not a ``torch.optim.Optimizer``
@@ -115,6 +117,16 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             After ``sync_every`` steps the faster ranks wait for the slowest
             at the synchronisation, so keep ``timeout`` above the time of
             ``sync_every`` steps (plus checkpointing or evaluation between).
+        delay_syncs: 0 (default) or 1: the synchronisation of period k is
+            launched at its end and applied at the end of period k+1, so its
+            collectives overlap the next ``sync_every`` inner steps; each rank
+            keeps its own progress of the period in between (Streaming
+            DiLoCo's overlapped outer step, arXiv 2501.18512, Sec. 2.3; see
+            :mod:`slimcomm.optim.delayed`). Costs one more fp32 copy of the
+            parameters. :meth:`outer_weights` then shows the outer parameters
+            one synchronisation behind; :meth:`synchronize` and the end of
+            :meth:`join` apply the one in flight, so replicas are identical
+            after them as with 0.
 
     Reliability: a failed or timed-out collective, or ranks whose local steps
     or synchronisation counts drifted apart (see :meth:`synchronize`), raise
@@ -168,6 +180,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         check_agreement_every: int = 100,
         timeout: Optional[float] = 300.0,
         lowbit_collective: str = "all_reduce",
+        delay_syncs: int = 0,
     ):
         process_group = _sharded.as_process_group(process_group)
         self.process_group = process_group
@@ -180,6 +193,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             self._validate(model, inner, sync_every, compression, outer_lr, outer_momentum,
                            bucket_cap_mb)
             self.timeout = _comm.check_timeout(timeout, "SlimDPOptimizer")
+            self._check_delay(delay_syncs)
             for name, v in (("nesterov", nesterov), ("error_feedback", error_feedback)):
                 if not isinstance(v, bool):
                     raise ValueError(f"{name} must be a bool (True or False), got {v!r}")
@@ -223,7 +237,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                                              keys=[p for _, p in named])
             # the groups too: each is one collective, so groups that differ across ranks
             # (bucket_cap_mb) would mismatch their sizes (gloo aborts the process)
-            hp = (sync_every, compression, self.outer_lr, self.outer_momentum, self.nesterov,
+            hp = (sync_every, delay_syncs, compression, self.outer_lr, self.outer_momentum,
+                  self.nesterov,
                   self.compressor._hyperparameters(),
                   [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
                   [g.key for g in self._groups],
@@ -247,6 +262,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                     f" (FSDP2: process_group must join the ranks that hold the same shard, "
                     f"mesh['replicate'] of the (replicate, shard) mesh; this rank holds shard "
                     f"{self._sharding.shard_rank} of {self._sharding.shard_size})"))
+        self._init_delay(delay_syncs)
         views = [v for g in self._groups for v in g.outer_views]
         self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
         # Parameters frozen at construction (broadcast like DDP, never synchronised; one
@@ -280,7 +296,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         self._frozen = True
 
     _FROZEN = frozenset(("sync_every", "compression", "outer_lr", "outer_momentum", "nesterov",
-                         "process_group", "inner", "compressor", "timeout"))
+                         "process_group", "inner", "compressor", "timeout", "delay_syncs"))
 
     def __setattr__(self, name, value):
         if name in self._FROZEN and self.__dict__.get("_frozen"):
@@ -354,7 +370,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         self._forbid_in_outer("advance()")
         self.local_step += 1
         if self.local_step % self.sync_every == 0:
-            self.synchronize()
+            self._synchronize(final=False)
             return True
         return False
 
@@ -405,45 +421,38 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                 construction was unfrozen (on the ranks where that happened;
                 the other ranks raise CollectiveError after ``timeout``).
         """
+        self._synchronize(final=True)
+
+    @torch.no_grad()
+    def _synchronize(self, final: bool) -> None:
         self._check_usable()
         self._forbid_in_outer("synchronize()")
-        if self.local_step == self._synced_at:
-            return
-        self._check_parameters_unchanged()
-        self._agree(joined=False)
-        self._sync_collectives()
+        if self.local_step != self._synced_at:
+            self._check_parameters_unchanged()
+            self._agree(joined=False)
+            self._sync_collectives()
+        if final:
+            self._drain()
 
     def _sync_collectives(self) -> None:
         if self._start_pending:      # no inner step ran on this rank (e.g. GradScaler skips)
             self._take_start()
         if self._adopt_start:
             self._adopt_rank0_start()
+        if self.delay_syncs:
+            self._sync_delayed()
+            return
         comp = self.compressor
         what = self._what()
         futs = []
         bad: Dict[torch.device, List[torch.Tensor]] = {}   # per device: finite flags
         try:
             for i, g in enumerate(self._groups):
-                layout = comp.layout_for(lambda g=g: g.key,
-                                         lambda key, g=g: (g.outer.device, torch.float32),
-                                         f"parameter group {i}", g.outer.device)
                 # pseudo-gradient = outer - local, into the scratch buffer
                 torch._foreach_copy_(g.scratch_views, g.params)
                 torch.sub(g.outer, g.scratch, out=g.scratch)
-                # Non-finite on this rank: send zeros instead (branchless, 3 ops; the largest
-                # |x| is NaN or inf iff some coordinate is)
-                ok = torch.linalg.vector_norm(g.scratch, float("inf")) < float("inf") \
-                    if g.scratch.numel() else torch.ones((), dtype=torch.bool,
-                                                         device=g.outer.device)
-                torch.where(ok, g.scratch, self._zero[g.outer.device], out=g.scratch)
-                bad.setdefault(g.outer.device, []).append(ok)
-                warm = self._deferred and comp.step < comp.warmup_steps
-                fut = comp.synchronize(layout, g.scratch, weight=g.outer,
-                                       warmup_dtype=comp.value_dtype or torch.float32,
-                                       deferred=self._deferred)
-                if warm:  # a dense warm-up average lands in the shared scratch: keep a copy
-                    fut = _done(_comm.wait(fut, what, self.timeout).clone())
-                futs.append(fut)
+                bad.setdefault(g.outer.device, []).append(self._zero_nonfinite(g))
+                futs.append(self._launch(i, g, what))
             comp.end_step()
             # Every group's result first: a failed collective raises here, before any
             # parameter is written (no group is applied from a partly failed sync).
@@ -456,27 +465,49 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             self._fail(exc)
             raise
         for g, avg in zip(self._groups, avgs):
-            if callable(avg):  # deferred decode (two-stage all-reduce): into the scratch now
-                avg = avg(g.scratch)
-            # A parameter that was non-finite on some rank comes back NaN: skip its update.
-            # (nan_to_num to 0 is where(isfinite(avg), avg, 0), in one op)
-            avg = avg.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            if g.momentum is not None:
-                g.momentum.mul_(self.outer_momentum).add_(avg)
-                upd = avg.add(g.momentum, alpha=self.outer_momentum) if self.nesterov \
-                    else g.momentum
-            else:
-                upd = avg
-            g.outer.sub_(upd, alpha=self.outer_lr)
+            self._outer_step(g, avg)
             torch._foreach_copy_(g.params, g.outer_views)
         self._publish_flags(bad)
         self.syncs += 1
         self._synced_at = self.local_step
         self._drain_flags(wait=False)
 
+    def _zero_nonfinite(self, g) -> torch.Tensor:
+        """The group's pseudo-gradient (in its scratch) becomes zeros if this rank's is
+        non-finite (branchless, 3 ops: the largest |x| is NaN or inf iff some coordinate
+        is). Returns the device flag (True = finite)."""
+        ok = torch.linalg.vector_norm(g.scratch, float("inf")) < float("inf") \
+            if g.scratch.numel() else torch.ones((), dtype=torch.bool, device=g.outer.device)
+        torch.where(ok, g.scratch, self._zero[g.outer.device], out=g.scratch)
+        return ok
 
-def _done(value) -> torch.futures.Future:
-    """A completed future holding ``value``."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
+    def _launch(self, i: int, g, what: str) -> torch.futures.Future:
+        """Hand group ``i``'s pseudo-gradient (its scratch) to the compressor: a future of
+        the average (or, deferred, of its decode callable)."""
+        comp = self.compressor
+        layout = comp.layout_for(lambda: g.key, lambda key: (g.outer.device, torch.float32),
+                                 f"parameter group {i}", g.outer.device)
+        warm = self._deferred and comp.step < comp.warmup_steps
+        fut = comp.synchronize(layout, g.scratch, weight=g.outer,
+                               warmup_dtype=comp.value_dtype or torch.float32,
+                               deferred=self._deferred)
+        if warm:  # a dense warm-up average lands in the shared scratch: keep a copy
+            fut = _done(_comm.wait(fut, what, self.timeout).clone())
+        return fut
+
+    def _outer_step(self, g, avg) -> None:
+        """``outer -= outer_lr * update`` from the group's average ``avg`` (outer (Nesterov)
+        momentum as configured); ``avg`` may be a deferred decode into the scratch."""
+        if callable(avg):  # deferred decode (two-stage all-reduce): into the scratch now
+            avg = avg(g.scratch)
+        # A parameter that was non-finite on some rank comes back NaN: skip its update.
+        # (nan_to_num to 0 is where(isfinite(avg), avg, 0), in one op)
+        avg = avg.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if g.momentum is not None:
+            g.momentum.mul_(self.outer_momentum).add_(avg)
+            upd = avg.add(g.momentum, alpha=self.outer_momentum) if self.nesterov \
+                else g.momentum
+        else:
+            upd = avg
+        g.outer.sub_(upd, alpha=self.outer_lr)
+

@@ -113,5 +113,6 @@ class _ProtocolMixin:
                             self._sync_collectives()  # the last one, every rank together
                         break
                     self._sync_collectives()  # shadow an active rank's synchronisation
+                self._drain()   # delay_syncs=1: apply the one in flight, every rank alike
         finally:
             self._joined = False

@@ -320,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lowbit-collective", choices=("all_reduce", "all_gather"), default="all_reduce",
                    help="how dense low-bit codes travel (SlimDPOptimizer(lowbit_collective=)): two-stage "
                         "all-reduce, bytes per rank bounded in the world size (default), or all-gather")
+    g.add_argument("--delay-syncs", type=int, choices=(0, 1), default=None,
+                   help="1 applies each synchronisation one period later, so its collectives overlap the "
+                        "next --sync-every inner steps (SlimDPOptimizer(delay_syncs=)); default 0")
     g.add_argument("--no-error-feedback", action="store_true",
                    help="SlimDPOptimizer(error_feedback=False): drop what the compression did not send "
                         "(for measurements; error feedback is the default)")
@@ -637,6 +640,11 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
         bad(f"--delay-steps applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
     if not given("delay_steps"):
         args.delay_steps = 0
+    if given("delay_syncs") and args.method not in SYNC_DEFAULTS:
+        bad(f"--delay-syncs applies to the optimizer-side methods ({', '.join(SYNC_DEFAULTS)}), "
+            f"not {args.method}")
+    if not given("delay_syncs"):
+        args.delay_syncs = 0
     if args.method == "ist" and args.grad_clip > 0 and not lm:
         bad("--grad-clip does not apply to --method ist with --model mlp (ISTTrainer.step runs backward and the "
             "optimizer step itself; with --model gpt, GPTISTTrainer clips each rank's subnet gradient)")

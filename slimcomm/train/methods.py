@@ -92,7 +92,8 @@ def _build_sync_optimizer(args, model, inner, process_group=None):
               nesterov=args.outer_momentum > 0, error_decay=args.error_decay, seed=args.seed,
               value_dtype=_VALUE_DTYPES[args.value_dtype] or torch.float32,
               value_bits=args.value_bits, bucket_cap_mb=args.bucket_cap_mb,
-              lowbit_collective=args.lowbit_collective, error_feedback=not args.no_error_feedback)
+              lowbit_collective=args.lowbit_collective, error_feedback=not args.no_error_feedback,
+              delay_syncs=args.delay_syncs)
     if m == "diloco":
         kw.update(compression="dense")
     elif m == "sparseloco":
