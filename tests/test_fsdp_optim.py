@@ -360,13 +360,13 @@ def _sync_ops(rank, world_size, fsdp, nparams=10, steps=6):
     inner = torch.optim.SGD(model.parameters(), lr=0.01)
     opt = SlimDPOptimizer(model, inner, sync_every=1, core_ratio=0.2, explore_ratio=0.1,
                           core_refresh=3, outer_momentum=0.9, process_group=group)
-    counter, rows, real_sync = OpCounter(), [], opt.synchronize
+    counter, rows, real_sync = OpCounter(), [], opt._synchronize   # advance() calls it
 
-    def counted():
+    def counted(final):
         with counter:
-            real_sync()
+            real_sync(final)
 
-    opt.synchronize = counted
+    opt._synchronize = counted
     g = torch.Generator().manual_seed(rank)
     with synchronous_collectives(compressor):
         for _ in range(steps):

@@ -110,17 +110,17 @@ def _opt_body(rank, world_size, device, compression, steps=6):
                           core_ratio=0.1, explore_ratio=0.05, core_refresh=2,
                           outer_momentum=0.9, value_bits=bits)
     counter = OpCounter()
-    real_sync = opt.synchronize
+    real_sync = opt._synchronize   # what step() -> advance() calls every sync_every steps
     calls = []
 
-    def checked_sync():
+    def checked_sync(final):
         calls.append(1)
         if len(calls) == 1:   # the first sync builds the compressor's state
-            return real_sync()
+            return real_sync(final)
         with _no_host_sync(dev, counter):
-            return real_sync()
+            return real_sync(final)
 
-    opt.synchronize = checked_sync
+    opt._synchronize = checked_sync
     g = torch.Generator().manual_seed(rank)
     with synchronous_collectives(compressor):
         for _ in range(steps):
