@@ -330,3 +330,27 @@ def test_low_bit_values_replicas_identical_and_bytes(mode, bits, world_size, col
     pad = 3 * world_size * 24 if (mode, collective) == ("dense", "all_reduce") else 0
     assert st["bytes_sent"] - st["check_bytes"] < \
         st["bytes_dense"] * (bits / 32 + 2 / 64 / 4 + 0.02) + pad
+
+
+# ---------------------------------------------------------------------------
+# Low-bit codes at the shared index set: the cross-rank agreement check runs there too
+# ---------------------------------------------------------------------------
+
+def _diverged_codes(rank, world_size):
+    """Rank 1's G of one parameter permuted between a save and a load (a divergence
+    slimcomm cannot prevent): its index set differs, and each rank would decode the others'
+    all-gathered codes at its own index set. The agreement check must turn it into an error."""
+    cfg = {**CFG, "value_bits": 2, "core_refresh": 1, "check_agreement_every": 1}
+    model, opt = train(rank, 6, cfg, init_seed=0)
+    sd = copy.deepcopy(opt.state_dict())
+    if rank == 1:   # the largest parameter's G
+        p0 = max(sd["compressor"]["params"].values(), key=lambda e: e["numel"])
+        p0["G"] = p0["G"].flip(0)
+    opt2 = SlimDPOptimizer(model, make_inner(model), **cfg)
+    opt2.load_state_dict(sd)
+    train(rank, 6, cfg, model=model, opt=opt2, start=6)
+
+
+def test_diverged_index_sets_of_low_bit_codes_raise():
+    with pytest.raises(WorkerError, match=r"index sets or G differ across ranks"):
+        run_workers(_diverged_codes, 2, timeout=90)

@@ -6,7 +6,7 @@ import torch
 from ... import _comm, ops
 from ...codec import ChunkPlan
 from ..feedback import _commit, _encode
-from ..selection import _select_explore
+from ..selection import _index_set
 
 
 def _quantised(state, layout, buf, world_size, step, weight):
@@ -18,17 +18,18 @@ def _quantised(state, layout, buf, world_size, step, weight):
     arithmetic on the same bytes, so the average is bit-identical on every
     rank. The residual keeps ``acc - decoded`` at the sent coordinates (the
     rounding error), i.e. error feedback of the quantisation too. A group of
-    dense tensors sends every coordinate (no selection).
+    dense tensors sends every coordinate (no selection); otherwise the index set
+    is the shared transport's, checked across ranks every
+    ``check_agreement_every``-th compressed step.
     """
     if layout.all_dense:
         if layout.core is None:
             layout.core = torch.arange(layout.numel, device=layout.device)
         idx, n_explore = layout.core, 0
     else:
-        since = step - state.warmup_steps
-        if since % state.core_refresh == 0 or layout.core is None:
-            state._refresh_core(layout, since % state.core_refresh == 0, weight)
-        idx, n_explore = _select_explore(state, layout, layout.core, step)
+        # the shared transport's index set, with its periodic cross-rank agreement check:
+        # codes decoded at an index set another rank did not use would be silent garbage
+        idx, n_explore = _index_set(state, layout, step, weight)
         idx = torch.sort(idx).values  # segment-contiguous, so the chunk plan is fixed
     if layout.plan is None:
         layout.plan = ChunkPlan([k + m for k, m in zip(layout.ks, layout.ms)],
