@@ -110,6 +110,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         "_undo",           # [(layout, step, idx, old G values)] of steps not yet settled
         "_fallbacks",      # device -> int64 count of refreshes whose new core set differed
         "_dev_counts",     # device -> int64 [2]: non-finite parameter-steps, voided steps
+        "_sink_counts",    # device -> int64 [2]: counts written and never read (_sink_count)
         "_void_flags",     # step -> bool 0-d device tensor: some parameter was non-finite
         "_timeout",        # seconds each collective may wait (None: the process group's)
         "_server_loaded",  # positions -> owner-side residual from load_state_dict, not yet placed
@@ -178,6 +179,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         self._undo: List[Tuple[_Layout, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
         self._fallbacks: Dict[torch.device, torch.Tensor] = {}
         self._dev_counts: Dict[torch.device, torch.Tensor] = {}
+        self._sink_counts: Dict[torch.device, torch.Tensor] = {}
         self._void_flags: Dict[int, torch.Tensor] = {}
         # Seconds each collective may wait before it fails (None: the process group's own
         # timeout). Not a hyperparameter: it changes no result, only how long a dead or

@@ -98,7 +98,19 @@ class _StatsMixin:
             if cnt is None:
                 cnt = self._dev_counts[device] = torch.zeros(2, dtype=torch.int64,
                                                              device=device)
+                # the sink too: made once, at the first step, not inside a later one
+                self._sink_counts[device] = torch.zeros(2, dtype=torch.int64, device=device)
         return cnt
+
+    def _sink_count(self, device) -> torch.Tensor:
+        """int64 ``[2]`` never read: where a fused op writes counts of values that were
+        already counted (the delayed hook's bucket write), made once per device."""
+        with self._lock:
+            sink = self._sink_counts.get(device)
+            if sink is None:
+                sink = self._sink_counts[device] = torch.zeros(2, dtype=torch.int64,
+                                                               device=device)
+        return sink
 
 
 _COUNT_KEYS = ("bytes_dense", "bytes_sent", "elements", "elements_sent", "core", "explore",

@@ -106,8 +106,8 @@ def _write(state, layout, buf, resolved) -> None:
         buf.copy_(resolved[1])
     else:
         _, idx, avg = resolved
-        scratch = torch.zeros(2, dtype=torch.int64, device=buf.device)  # counted in _resolve
-        ops.step_commit(buf, idx, layout.offsets_tensor(), avg, scratch,
+        sink = state._sink_count(buf.device)  # these values were counted in _resolve
+        ops.step_commit(buf, idx, layout.offsets_tensor(), avg, sink,
                         keep_all_zero=state._KEEP_ALL_ZERO)
 
 
