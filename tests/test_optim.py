@@ -111,18 +111,23 @@ def _dense_case(rank, world_size):
     return params_of(model)
 
 
+def inner_steps(models, inners, t):
+    """Step ``t`` of every simulated rank's inner optimizer (clipped, as ``train`` does)."""
+    for r, (m, o) in enumerate(zip(models, inners)):
+        o.zero_grad()
+        x, y = batch(r, t)
+        nn.functional.cross_entropy(m(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        o.step()
+
+
 def _simulate_diloco(world_size, steps, H, lr, mu):
     models = [make_model(0) for _ in range(world_size)]
     inners = [make_inner(m) for m in models]
     outer = [p.detach().clone() for p in models[0].parameters()]
     mom = [torch.zeros_like(p) for p in outer]
     for t in range(steps):
-        for r, (m, o) in enumerate(zip(models, inners)):
-            o.zero_grad()
-            x, y = batch(r, t)
-            nn.functional.cross_entropy(m(x), y).backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            o.step()
+        inner_steps(models, inners, t)
         if (t + 1) % H == 0:
             with torch.no_grad():
                 for i, p0 in enumerate(outer):

@@ -7,11 +7,10 @@ import io
 
 import pytest
 import torch
-from torch import nn
 
 from _dist import run_workers
 from slimcomm.optim import SlimDPOptimizer
-from test_optim import CFG, batch, make_inner, make_model, params_of, train
+from test_optim import CFG, inner_steps, make_inner, make_model, params_of, train
 
 DENSE = dict(sync_every=2, compression="dense", value_dtype=torch.float32, outer_lr=0.7,
              outer_momentum=0.9, nesterov=True)
@@ -54,12 +53,7 @@ def _simulate(world_size, steps, H, lr, mu, final):
                     p.copy_(anchors[r][i])
 
     for t in range(steps):
-        for r, (m, o) in enumerate(zip(models, inners)):
-            o.zero_grad()
-            x, y = batch(r, t)
-            nn.functional.cross_entropy(m(x), y).backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            o.step()
+        inner_steps(models, inners, t)
         if (t + 1) % H == 0:
             sync(launch=True)
     if final:

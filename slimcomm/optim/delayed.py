@@ -39,7 +39,6 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _comm
-from .._comm import CollectiveError
 
 
 def _done(value) -> torch.futures.Future:
@@ -78,12 +77,8 @@ class _DelayedMixin:
         CollectiveError (a ``RuntimeError``) before anything is written."""
         if self._inflight is None:
             return None
-        try:
+        with self._failing(what):
             return [_comm.wait(f, what, self.timeout) for f in self._inflight]
-        except CollectiveError as exc:
-            if not str(exc).startswith("SlimDPOptimizer"):
-                exc = CollectiveError(f"{what}: {exc}")
-            raise self._fail(exc) from exc.__cause__
 
     def _anchor_start(self) -> None:
         if not self._anchored:   # the first period began at the (common) outer parameters
@@ -119,28 +114,11 @@ class _DelayedMixin:
         self._apply_inflight(f"SlimDPOptimizer.synchronize (synchronisation {self.syncs}, "
                              f"applied at local step {self.local_step})")
         self._anchor_start()
-        comp = self.compressor
-        oks = []
-        try:
-            futs = []
-            for i, (g, a) in enumerate(zip(self._groups, self._anchors)):
-                torch._foreach_copy_(g.scratch_views, g.params)
-                torch.sub(a, g.scratch, out=g.scratch)
-                oks.append(self._zero_nonfinite(g))
-                futs.append(self._launch(i, g, what))
-            comp.end_step()
-        except CollectiveError as exc:
-            if not str(exc).startswith("SlimDPOptimizer"):
-                exc = CollectiveError(f"{what}: {exc}")
-            raise self._fail(exc) from exc.__cause__
-        except Exception as exc:  # the compressor state may be half-updated: stop here
-            self._fail(exc)
-            raise
+        futs, oks = self._launch_all(self._anchors, what)
         self._inflight = futs
-        bad: Dict[torch.device, List[torch.Tensor]] = {}
         for i, ok in enumerate(oks):
             self._shift(i, ok)
-            bad.setdefault(self._groups[i].outer.device, []).append(ok)
+        bad = self._by_device(oks)
         self._publish_flags(bad)
         self.syncs += 1
         self._synced_at = self.local_step

@@ -5,6 +5,7 @@ outer step; construction, stepping and the synchronisation itself (see
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 import zlib
 from typing import Dict, List, Optional
@@ -442,21 +443,27 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         if self.delay_syncs:
             self._sync_delayed()
             return
-        comp = self.compressor
         what = self._what()
-        futs = []
-        bad: Dict[torch.device, List[torch.Tensor]] = {}   # per device: finite flags
-        try:
-            for i, g in enumerate(self._groups):
-                # pseudo-gradient = outer - local, into the scratch buffer
-                torch._foreach_copy_(g.scratch_views, g.params)
-                torch.sub(g.outer, g.scratch, out=g.scratch)
-                bad.setdefault(g.outer.device, []).append(self._zero_nonfinite(g))
-                futs.append(self._launch(i, g, what))
-            comp.end_step()
-            # Every group's result first: a failed collective raises here, before any
-            # parameter is written (no group is applied from a partly failed sync).
+        futs, oks = self._launch_all([g.outer for g in self._groups], what)
+        # Every group's result first: a failed collective raises here, before any
+        # parameter is written (no group is applied from a partly failed sync).
+        with self._failing(what):
             avgs = [_comm.wait(fut, what, self.timeout) for fut in futs]
+        for g, avg in zip(self._groups, avgs):
+            self._outer_step(g, avg)
+            torch._foreach_copy_(g.params, g.outer_views)
+        bad = self._by_device(oks)
+        self._publish_flags(bad)
+        self.syncs += 1
+        self._synced_at = self.local_step
+        self._drain_flags(wait=False)
+
+    @contextlib.contextmanager
+    def _failing(self, what: str):
+        """Any error inside marks the optimizer failed (it refuses further use) and is
+        raised; a failed collective as a CollectiveError naming the synchronisation."""
+        try:
+            yield
         except CollectiveError as exc:
             if not str(exc).startswith("SlimDPOptimizer"):
                 exc = CollectiveError(f"{what}: {exc}")
@@ -464,13 +471,26 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         except Exception as exc:  # the compressor state may be half-updated: stop here
             self._fail(exc)
             raise
-        for g, avg in zip(self._groups, avgs):
-            self._outer_step(g, avg)
-            torch._foreach_copy_(g.params, g.outer_views)
-        self._publish_flags(bad)
-        self.syncs += 1
-        self._synced_at = self.local_step
-        self._drain_flags(wait=False)
+
+    def _launch_all(self, refs: List[torch.Tensor], what: str):
+        """Per group the pseudo-gradient ``refs[i] - local`` (the outer copy, or with
+        ``delay_syncs`` the anchor) into the scratch, zeros if non-finite on this rank,
+        handed to the compressor. Returns the futures and the per-group finite flags."""
+        futs, oks = [], []
+        with self._failing(what):
+            for i, (g, ref) in enumerate(zip(self._groups, refs)):
+                torch._foreach_copy_(g.scratch_views, g.params)
+                torch.sub(ref, g.scratch, out=g.scratch)
+                oks.append(self._zero_nonfinite(g))
+                futs.append(self._launch(i, g, what))
+            self.compressor.end_step()
+        return futs, oks
+
+    def _by_device(self, oks: List[torch.Tensor]) -> Dict[torch.device, List[torch.Tensor]]:
+        bad: Dict[torch.device, List[torch.Tensor]] = {}
+        for g, ok in zip(self._groups, oks):
+            bad.setdefault(g.outer.device, []).append(ok)
+        return bad
 
     def _zero_nonfinite(self, g) -> torch.Tensor:
         """The group's pseudo-gradient (in its scratch) becomes zeros if this rank's is
