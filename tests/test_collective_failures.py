@@ -123,13 +123,14 @@ def _train_until_failure(rank, steps, step_fn, model, before_sync):
     return dict(raised=False, max_abs=max(float(p.abs().max()) for p in model.parameters()))
 
 
-def _optim_victim(rank, world_size, compression, bits, how, timeout, delay=0):
+def _optim_victim(rank, world_size, compression, bits, how, timeout, delay=0, overlap=None):
     m = _mlp()
     compression, _, collective = compression.partition("-")  # "dense-all_gather"
     opt = SlimDPOptimizer(m, torch.optim.AdamW(m.parameters(), lr=1e-2), sync_every=2,
                           compression=compression, value_bits=bits, core_ratio=0.1,
                           explore_ratio=0.1, timeout=timeout,
-                          lowbit_collective=collective or "all_reduce", delay_syncs=delay)
+                          lowbit_collective=collective or "all_reduce", delay_syncs=delay,
+                          overlap_steps=overlap)
     dying = world_size - 1
     if rank == dying and how == "exit_mid_sync":
         # die after the per-sync agreement, inside the value collectives of sync 3
@@ -196,6 +197,14 @@ def test_optimizer_delayed_sync_survivor_raises_when_a_rank_dies(compression, bi
     """delay_syncs=1: the collectives of a synchronisation are waited for one period later, and
     the failure is noticed there (or at the next agreement) before the model is written."""
     outs = _outcomes(_optim_victim, 2, compression, bits, how, 20.0, 1)
+    _check_survivors(outs, 1, 20.0)
+
+
+@pytest.mark.parametrize("how", ["exit_mid_sync", "sigkill"])
+def test_optimizer_overlap_window_survivor_raises_when_a_rank_dies(how):
+    """overlap_steps=1 of sync_every=2: the wait for the synchronisation in flight happens in
+    the step after its launch (advance()), and a dead peer is an error there, unwritten."""
+    outs = _outcomes(_optim_victim, 2, "dense", None, how, 20.0, 1, 1)
     _check_survivors(outs, 1, 20.0)
 
 

@@ -16,8 +16,9 @@ DENSE = dict(sync_every=2, compression="dense", value_dtype=torch.float32, outer
              outer_momentum=0.9, nesterov=True)
 
 
-def _dense_delayed(rank, world_size, steps, final):
-    model, opt = train(rank, steps, {**DENSE, "delay_syncs": 1}, init_seed=0)
+def _dense_delayed(rank, world_size, steps, final, H=2, tau=None):
+    cfg = {**DENSE, "sync_every": H, "delay_syncs": 1, "overlap_steps": tau}
+    model, opt = train(rank, steps, cfg, init_seed=0)
     if final:
         opt.synchronize()
     with torch.no_grad(), opt.outer_weights() as m:
@@ -25,10 +26,12 @@ def _dense_delayed(rank, world_size, steps, final):
     return params_of(model), outer, opt.syncs
 
 
-def _simulate(world_size, steps, H, lr, mu, final):
+def _simulate(world_size, steps, H, lr, mu, final, tau=None):
     """Every rank's AdamW steps; at the end of each period: the average launched a period ago
     steps the outer parameters (Nesterov), each rank sends anchor - local and continues from
-    outer - (anchor - local); the final synchronize() launches the last period and drains."""
+    outer - (anchor - local); the final synchronize() launches the last period and drains.
+    With ``tau`` < H the average is applied ``tau`` steps after its launch instead, each rank
+    rebased: local += outer - anchor, anchor = outer."""
     models = [make_model(0) for _ in range(world_size)]
     inners = [make_inner(m) for m in models]
     outer = [p.detach().clone() for p in models[0].parameters()]
@@ -36,13 +39,18 @@ def _simulate(world_size, steps, H, lr, mu, final):
     anchors = [[p.clone() for p in outer] for _ in models]
     inflight = None
 
+    def apply():
+        nonlocal inflight
+        for i, avg in enumerate(inflight):
+            mom[i].mul_(mu).add_(avg)
+            outer[i].sub_(avg.add(mom[i], alpha=mu), alpha=lr)
+        inflight = None
+
     def sync(launch):
         nonlocal inflight
         with torch.no_grad():
             if inflight is not None:
-                for i, avg in enumerate(inflight):
-                    mom[i].mul_(mu).add_(avg)
-                    outer[i].sub_(avg.add(mom[i], alpha=mu), alpha=lr)
+                apply()
             deltas = [[a - p for a, p in zip(anchors[r], m.parameters())]
                       for r, m in enumerate(models)]
             inflight = [sum(d[i] / world_size for d in deltas) for i in range(len(outer))] \
@@ -56,6 +64,13 @@ def _simulate(world_size, steps, H, lr, mu, final):
         inner_steps(models, inners, t)
         if (t + 1) % H == 0:
             sync(launch=True)
+        elif tau is not None and inflight is not None and (t + 1) % H == tau:
+            with torch.no_grad():
+                apply()
+                for r, m in enumerate(models):
+                    for i, p in enumerate(m.parameters()):
+                        p.add_(outer[i] - anchors[r][i])
+                        anchors[r][i] = outer[i].clone()
     if final:
         if steps % H:
             sync(launch=True)
@@ -63,10 +78,12 @@ def _simulate(world_size, steps, H, lr, mu, final):
     return [[p.detach().clone() for p in m.parameters()] for m in models], outer
 
 
-@pytest.mark.parametrize("steps,final", [(6, False), (7, True), (8, True)])
-def test_matches_the_simulation_of_the_delayed_outer_step(steps, final):
-    res = run_workers(_dense_delayed, 2, steps, final)
-    locs, outer = _simulate(2, steps, 2, 0.7, 0.9, final)
+@pytest.mark.parametrize("steps,final,H,tau", [(6, False, 2, None), (7, True, 2, None),
+                                              (8, True, 2, None), (9, False, 3, 1),
+                                              (10, False, 3, 1), (11, True, 3, 2), (8, False, 3, 3)])
+def test_matches_the_simulation_of_the_delayed_outer_step(steps, final, H, tau):
+    res = run_workers(_dense_delayed, 2, steps, final, H, tau)
+    locs, outer = _simulate(2, steps, H, 0.7, 0.9, final, tau if tau != H else None)
     for r in range(2):
         for a, b in zip(res[r][0], locs[r]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -214,3 +231,38 @@ def _frozen(rank, world_size):
 
 def test_delay_syncs_is_fixed_at_construction():
     assert "cannot be changed" in run_workers(_frozen, 1)[0]
+
+
+@pytest.mark.parametrize("mode", ["shared", "dense-2bit"])
+def test_resume_inside_the_overlap_window_is_bit_exact(mode):
+    """overlap_steps=2 of sync_every=4: the synchronisation launched at step 8 is applied at
+    step 10, so the checkpoint at step 9 holds it in flight (inside the overlap window)."""
+    cfg = {**CFG, **MODES[mode], "sync_every": 4, "delay_syncs": 1, "overlap_steps": 2}
+    full = run_workers(_save, 2, cfg, 20)
+    half = run_workers(_save, 2, cfg, 9)
+    resumed = run_workers(_resume, 2, cfg, [half[0][0], half[1][0]], 9, 11)
+    for r in range(2):
+        for a, b in zip(resumed[r][0], full[r][1]):
+            assert torch.equal(a, b), f"rank {r}: resumed run differs"
+        for a, b in zip(resumed[r][1], full[r][2]):
+            assert torch.equal(a, b), f"rank {r}: resumed run differs after the drain"
+
+
+def _bad_overlap(rank, world_size, kw):
+    model = make_model(0)
+    try:
+        SlimDPOptimizer(model, make_inner(model), sync_every=4, **kw)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(overlap_steps=2), "applies with delay_syncs=1"),
+    (dict(delay_syncs=1, overlap_steps=5), "overlap_steps must be an int in [1, sync_every=4]"),
+    (dict(delay_syncs=1, overlap_steps=0), "overlap_steps must be an int"),
+    (dict(delay_syncs=1, overlap_steps=True), "overlap_steps must be an int"),
+])
+def test_bad_overlap_steps_is_refused(kw, needle):
+    for msg in run_workers(_bad_overlap, 2, kw):
+        assert msg is not None and needle in msg, msg

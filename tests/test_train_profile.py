@@ -14,7 +14,8 @@ PHASES = ("forward", "backward_compute", "hook", "wait", "optimizer")
 
 @pytest.mark.parametrize("method,extra", [("slimdp", ["--delay-steps", "1"]), ("ddp", []),
                                           ("diloco", ["--sync-every", "4"]),
-                                          ("slimdp-local", ["--sync-every", "4", "--delay-syncs", "1"])])
+                                          ("slimdp-local", ["--sync-every", "4", "--delay-syncs", "1",
+                                                            "--overlap-steps", "2"])])
 def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
     p = tmp_path / f"{method}.json"
     i = TINY.index("--epochs")
@@ -34,7 +35,8 @@ def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
         # the phases are consecutive: only the loop's own bookkeeping is outside them
         assert 0.9 * rank["step"] <= total <= rank["step"] + 1e-6, rank
     if method == "slimdp-local":   # the delayed outer step, end to end through the command
-        assert res["config"]["delay_syncs"] == 1 and res["stats"]["syncs"] >= 6
+        assert res["config"]["delay_syncs"] == 1 and res["config"]["overlap_steps"] == 2
+        assert res["stats"]["syncs"] >= 6
     if method == "slimdp":
         assert res["config"]["delay_steps"] == 1
         assert res["stats"]["total"]["bytes_sent"] > 0
@@ -47,6 +49,9 @@ def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
     (["--method", "slimdp", "--delay-syncs", "1"], "--delay-syncs"),
     (["--method", "ddp", "--delay-syncs", "0"], "--delay-syncs"),
     (["--method", "diloco", "--delay-syncs", "2"], "--delay-syncs"),
+    (["--method", "diloco", "--overlap-steps", "2"], "--overlap-steps"),
+    (["--method", "diloco", "--delay-syncs", "1", "--sync-every", "4", "--overlap-steps", "5"],
+     "--overlap-steps"),
 ])
 def test_bad_profile_and_delay_options(argv, needle, monkeypatch, capsys):
     _no_env(monkeypatch)

@@ -16,6 +16,12 @@ updates", arXiv 2502.12996). Here the merge keeps this rank's whole local progre
   its all-gather overlaps); last, the local parameters and the anchor become
   ``outer - delta``: the new global point plus this rank's own last period.
 
+``overlap_steps`` (Streaming DiLoCo's tau, ``1 <= tau <= sync_every``; default
+``sync_every``, as above) applies the average ``tau`` inner steps after its launch instead:
+the outer step, then ``local += outer - anchor`` (the rank's own period, sent with that
+synchronisation, replaced by the average; its steps since the launch kept) and
+``anchor := outer``; the period's end then launches ``anchor - local`` as above.
+
 So each pseudo-gradient is exactly one period of one rank's inner steps, every average is
 applied once, one period late, and the outer parameters are identical on every rank (they
 change only by decoded averages). The replicas' local parameters differ by one period of
@@ -60,17 +66,27 @@ def _views_like(flat: torch.Tensor, views: List[torch.Tensor]) -> List[torch.Ten
 class _DelayedMixin:
     """``delay_syncs`` of :class:`~slimcomm.optim.SlimDPOptimizer` (see the module docstring)."""
 
-    def _init_delay(self, delay_syncs: int) -> None:
+    def _init_delay(self, delay_syncs: int, overlap_steps: Optional[int]) -> None:
         self.delay_syncs = delay_syncs
+        self.overlap_steps = (self.sync_every if overlap_steps is None else overlap_steps) \
+            if delay_syncs else None
         self._inflight: Optional[List[torch.futures.Future]] = None
         self._anchored = False
         self._anchors = [torch.zeros_like(g.outer) for g in self._groups] if delay_syncs else []
         self._anchor_views = [_views_like(a, g.outer_views) for a, g in zip(self._anchors, self._groups)]
 
     @staticmethod
-    def _check_delay(delay_syncs) -> None:
+    def _check_delay(delay_syncs, overlap_steps, sync_every) -> None:
         if isinstance(delay_syncs, bool) or delay_syncs not in (0, 1):
             raise ValueError(f"delay_syncs must be 0 or 1, got {delay_syncs!r}")
+        if overlap_steps is None:
+            return
+        if not delay_syncs:
+            raise ValueError(f"overlap_steps={overlap_steps!r} applies with delay_syncs=1 only")
+        if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, int) or \
+                not 1 <= overlap_steps <= sync_every:
+            raise ValueError(f"overlap_steps must be an int in [1, sync_every={sync_every}], "
+                             f"got {overlap_steps!r}")
 
     def _resolve_inflight(self, what: str) -> Optional[List[Any]]:
         """Wait for the synchronisation in flight (None if there is none); raises
@@ -123,6 +139,22 @@ class _DelayedMixin:
         self.syncs += 1
         self._synced_at = self.local_step
         self._drain_flags(wait=False)
+
+    @torch.no_grad()
+    def _apply_due(self) -> None:
+        """``overlap_steps`` inner steps after a launch (before the period ends): the outer
+        step from the synchronisation in flight, and this rank's parameters and anchor
+        rebased onto it: ``local += outer - anchor`` (its own period, sent with that
+        synchronisation, replaced by the average; the steps since the launch kept), then
+        ``anchor := outer``. Waiting may raise CollectiveError before anything is
+        written; no collective is issued."""
+        self._check_usable()
+        self._apply_inflight(f"SlimDPOptimizer (synchronisation {self.syncs}, applied at "
+                             f"local step {self.local_step})")
+        for g, a, views in zip(self._groups, self._anchors, self._anchor_views):
+            torch.sub(g.outer, a, out=a)
+            torch._foreach_add_(g.params, views)
+            a.copy_(g.outer)
 
     def _drain(self) -> None:
         """Apply the synchronisation in flight without launching another (no collective is

@@ -128,6 +128,12 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             one synchronisation behind; :meth:`synchronize` and the end of
             :meth:`join` apply the one in flight, so replicas are identical
             after them as with 0.
+        overlap_steps: with ``delay_syncs=1``, the inner steps after its launch
+            at which a synchronisation is applied, ``1 <= overlap_steps <=
+            sync_every`` (Streaming DiLoCo's tau; default ``None`` =
+            ``sync_every``, the end of the next period). A smaller value hides
+            less communication and applies a less stale average; the local
+            progress since the launch is kept either way.
 
     Reliability: a failed or timed-out collective, or ranks whose local steps
     or synchronisation counts drifted apart (see :meth:`synchronize`), raise
@@ -182,6 +188,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         timeout: Optional[float] = 300.0,
         lowbit_collective: str = "all_reduce",
         delay_syncs: int = 0,
+        overlap_steps: Optional[int] = None,
     ):
         process_group = _sharded.as_process_group(process_group)
         self.process_group = process_group
@@ -194,7 +201,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
             self._validate(model, inner, sync_every, compression, outer_lr, outer_momentum,
                            bucket_cap_mb)
             self.timeout = _comm.check_timeout(timeout, "SlimDPOptimizer")
-            self._check_delay(delay_syncs)
+            self._check_delay(delay_syncs, overlap_steps, sync_every)
             for name, v in (("nesterov", nesterov), ("error_feedback", error_feedback)):
                 if not isinstance(v, bool):
                     raise ValueError(f"{name} must be a bool (True or False), got {v!r}")
@@ -238,7 +245,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                                              keys=[p for _, p in named])
             # the groups too: each is one collective, so groups that differ across ranks
             # (bucket_cap_mb) would mismatch their sizes (gloo aborts the process)
-            hp = (sync_every, delay_syncs, compression, self.outer_lr, self.outer_momentum,
+            hp = (sync_every, delay_syncs, overlap_steps, compression, self.outer_lr, self.outer_momentum,
                   self.nesterov,
                   self.compressor._hyperparameters(),
                   [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
@@ -263,7 +270,7 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                     f" (FSDP2: process_group must join the ranks that hold the same shard, "
                     f"mesh['replicate'] of the (replicate, shard) mesh; this rank holds shard "
                     f"{self._sharding.shard_rank} of {self._sharding.shard_size})"))
-        self._init_delay(delay_syncs)
+        self._init_delay(delay_syncs, overlap_steps)
         views = [v for g in self._groups for v in g.outer_views]
         self.compressor.attach_parameters([(n, v) for (n, _), v in zip(named, views)])
         # Parameters frozen at construction (broadcast like DDP, never synchronised; one
@@ -297,7 +304,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         self._frozen = True
 
     _FROZEN = frozenset(("sync_every", "compression", "outer_lr", "outer_momentum", "nesterov",
-                         "process_group", "inner", "compressor", "timeout", "delay_syncs"))
+                         "process_group", "inner", "compressor", "timeout", "delay_syncs",
+                         "overlap_steps"))
 
     def __setattr__(self, name, value):
         if name in self._FROZEN and self.__dict__.get("_frozen"):
@@ -373,6 +381,9 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
         if self.local_step % self.sync_every == 0:
             self._synchronize(final=False)
             return True
+        if self._inflight is not None and \
+                self.local_step - self._synced_at == self.overlap_steps:
+            self._apply_due()   # delay_syncs=1 with overlap_steps < sync_every
         return False
 
     @torch.no_grad()

@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--delay-syncs", type=int, choices=(0, 1), default=None,
                    help="1 applies each synchronisation one period later, so its collectives overlap the "
                         "next --sync-every inner steps (SlimDPOptimizer(delay_syncs=)); default 0")
+    g.add_argument("--overlap-steps", type=_positive_int("--overlap-steps"), default=None,
+                   help="with --delay-syncs 1: apply each synchronisation this many inner steps after "
+                        "its launch (SlimDPOptimizer(overlap_steps=); default --sync-every)")
     g.add_argument("--no-error-feedback", action="store_true",
                    help="SlimDPOptimizer(error_feedback=False): drop what the compression did not send "
                         "(for measurements; error feedback is the default)")
@@ -645,6 +648,10 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
             f"not {args.method}")
     if not given("delay_syncs"):
         args.delay_syncs = 0
+    if given("overlap_steps") and not args.delay_syncs:
+        bad("--overlap-steps applies with --delay-syncs 1")
+    if given("overlap_steps") and args.overlap_steps > args.sync_every:
+        bad(f"--overlap-steps {args.overlap_steps} exceeds --sync-every {args.sync_every}")
     if args.method == "ist" and args.grad_clip > 0 and not lm:
         bad("--grad-clip does not apply to --method ist with --model mlp (ISTTrainer.step runs backward and the "
             "optimizer step itself; with --model gpt, GPTISTTrainer clips each rank's subnet gradient)")

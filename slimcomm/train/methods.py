@@ -93,7 +93,7 @@ def _build_sync_optimizer(args, model, inner, process_group=None):
               value_dtype=_VALUE_DTYPES[args.value_dtype] or torch.float32,
               value_bits=args.value_bits, bucket_cap_mb=args.bucket_cap_mb,
               lowbit_collective=args.lowbit_collective, error_feedback=not args.no_error_feedback,
-              delay_syncs=args.delay_syncs)
+              delay_syncs=args.delay_syncs, overlap_steps=getattr(args, "overlap_steps", None))
     if m == "diloco":
         kw.update(compression="dense")
     elif m == "sparseloco":
