@@ -479,6 +479,11 @@ def test_gpt_and_mlp_defaults():
         ("constant", 0, None, 2, None, 128, (2048, 2048))
     assert (m.beta1, m.tokens, m.n_layer) == (None, None, None)
     assert T.apply_method_defaults(argparse.Namespace(**vars(m))) == m  # idempotent
+    for argv in (["--method", "diloco", "--delay-syncs", "1", "--overlap-steps", "2"],
+                 ["--method", "slimdp-local"], ["--method", "ddp"],
+                 ["--method", "slimdp", "--delay-steps", "1"]):   # idempotent for every method
+        x = T.apply_method_defaults(T.build_parser().parse_args(argv))
+        assert T.apply_method_defaults(argparse.Namespace(**vars(x))) == x, argv
     c = T.apply_method_defaults(T.build_parser().parse_args(["--model", "cnn", "--method", "topk"]))
     assert (c.lr, c.momentum, c.hidden) == (0.2, 0.0, None)
     a = T.apply_method_defaults(T.build_parser().parse_args(["--optimizer", "adamw", "--method", "ddp"]))

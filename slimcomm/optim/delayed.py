@@ -23,7 +23,7 @@ synchronisation, replaced by the average; its steps since the launch kept) and
 ``anchor := outer``; the period's end then launches ``anchor - local`` as above.
 
 So each pseudo-gradient is exactly one period of one rank's inner steps, every average is
-applied once, one period late, and the outer parameters are identical on every rank (they
+applied once, ``overlap_steps`` inner steps after its launch, and the outer parameters are identical on every rank (they
 change only by decoded averages). The replicas' local parameters differ by one period of
 local progress, as between the synchronisations of ``delay_syncs=0``. A failed collective
 (waiting for the one in flight, or launching the next) raises on every rank before the

@@ -641,12 +641,14 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
             "or --device cuda")
     if given("delay_steps") and args.method != "slimdp":
         bad(f"--delay-steps applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
-    if not given("delay_steps"):
+    # the defaults only where the option applies (left unset elsewhere, so that a second call
+    # still refuses only what the user gave)
+    if args.method == "slimdp" and not given("delay_steps"):
         args.delay_steps = 0
     if given("delay_syncs") and args.method not in SYNC_DEFAULTS:
         bad(f"--delay-syncs applies to the optimizer-side methods ({', '.join(SYNC_DEFAULTS)}), "
             f"not {args.method}")
-    if not given("delay_syncs"):
+    if args.method in SYNC_DEFAULTS and not given("delay_syncs"):
         args.delay_syncs = 0
     if given("overlap_steps") and not args.delay_syncs:
         bad("--overlap-steps applies with --delay-syncs 1")

@@ -93,7 +93,8 @@ def _build_sync_optimizer(args, model, inner, process_group=None):
               value_dtype=_VALUE_DTYPES[args.value_dtype] or torch.float32,
               value_bits=args.value_bits, bucket_cap_mb=args.bucket_cap_mb,
               lowbit_collective=args.lowbit_collective, error_feedback=not args.no_error_feedback,
-              delay_syncs=args.delay_syncs, overlap_steps=getattr(args, "overlap_steps", None))
+              delay_syncs=getattr(args, "delay_syncs", None) or 0,
+              overlap_steps=getattr(args, "overlap_steps", None))
     if m == "diloco":
         kw.update(compression="dense")
     elif m == "sparseloco":
@@ -257,7 +258,7 @@ class _Method:
                     value_dtype=_VALUE_DTYPES[args.value_dtype],
                     seed=args.seed,
                     warmup_steps=args.warmup_steps,
-                    delay_steps=args.delay_steps,
+                    delay_steps=getattr(args, "delay_steps", None) or 0,
                 )
                 self.hook_state = SlimDPState(**kw).attach(model)
                 register(self.hook_state, slim_dp_hook)
