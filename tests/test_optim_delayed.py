@@ -173,10 +173,16 @@ def _resume(rank, world_size, cfg, blobs, start, steps):
 def test_resume_with_a_sync_in_flight_is_bit_exact(mode):
     """Step 10 with sync_every=3: the synchronisation launched at step 9 is in flight (the
     two-stage all-reduce's deferred decode is resolved into the checkpoint)."""
-    cfg = {**CFG, **MODES[mode], "outer_momentum": 0.5, "nesterov": True, "delay_syncs": 1}
-    full = run_workers(_save, 2, cfg, 20)
-    half = run_workers(_save, 2, cfg, 10)
-    resumed = run_workers(_resume, 2, cfg, [half[0][0], half[1][0]], 10, 10)
+    _check_resume({**CFG, **MODES[mode], "outer_momentum": 0.5, "nesterov": True,
+                   "delay_syncs": 1}, 10, 20)
+
+
+def _check_resume(cfg, cut, total):
+    """A run checkpointed at step ``cut`` and resumed to ``total`` equals the straight run,
+    bit for bit, before and after the final drain."""
+    full = run_workers(_save, 2, cfg, total)
+    half = run_workers(_save, 2, cfg, cut)
+    resumed = run_workers(_resume, 2, cfg, [half[0][0], half[1][0]], cut, total - cut)
     for r in range(2):
         for a, b in zip(resumed[r][0], full[r][1]):
             assert torch.equal(a, b), f"rank {r}: resumed run differs"
@@ -237,15 +243,8 @@ def test_delay_syncs_is_fixed_at_construction():
 def test_resume_inside_the_overlap_window_is_bit_exact(mode):
     """overlap_steps=2 of sync_every=4: the synchronisation launched at step 8 is applied at
     step 10, so the checkpoint at step 9 holds it in flight (inside the overlap window)."""
-    cfg = {**CFG, **MODES[mode], "sync_every": 4, "delay_syncs": 1, "overlap_steps": 2}
-    full = run_workers(_save, 2, cfg, 20)
-    half = run_workers(_save, 2, cfg, 9)
-    resumed = run_workers(_resume, 2, cfg, [half[0][0], half[1][0]], 9, 11)
-    for r in range(2):
-        for a, b in zip(resumed[r][0], full[r][1]):
-            assert torch.equal(a, b), f"rank {r}: resumed run differs"
-        for a, b in zip(resumed[r][1], full[r][2]):
-            assert torch.equal(a, b), f"rank {r}: resumed run differs after the drain"
+    _check_resume({**CFG, **MODES[mode], "sync_every": 4, "delay_syncs": 1, "overlap_steps": 2},
+                  9, 20)
 
 
 def _bad_overlap(rank, world_size, kw):
