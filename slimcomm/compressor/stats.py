@@ -104,13 +104,9 @@ class _StatsMixin:
 
     def _sink_count(self, device) -> torch.Tensor:
         """int64 ``[2]`` never read: where a fused op writes counts of values that were
-        already counted (the delayed hook's bucket write), made once per device."""
-        with self._lock:
-            sink = self._sink_counts.get(device)
-            if sink is None:
-                sink = self._sink_counts[device] = torch.zeros(2, dtype=torch.int64,
-                                                               device=device)
-        return sink
+        already counted (the delayed hook's bucket write); made with the counters."""
+        self._dev_count(device)
+        return self._sink_counts[device]
 
 
 _COUNT_KEYS = ("bytes_dense", "bytes_sent", "elements", "elements_sent", "core", "explore",

@@ -23,8 +23,8 @@ synchronisation, replaced by the average; its steps since the launch kept) and
 ``anchor := outer``; the period's end then launches ``anchor - local`` as above.
 
 So each pseudo-gradient is exactly one period of one rank's inner steps, every average is
-applied once, ``overlap_steps`` inner steps after its launch, and the outer parameters are identical on every rank (they
-change only by decoded averages). The replicas' local parameters differ by one period of
+applied once, ``overlap_steps`` inner steps after its launch, and the outer parameters are
+identical on every rank (they change only by decoded averages). The replicas' local parameters differ by one period of
 local progress, as between the synchronisations of ``delay_syncs=0``. A failed collective
 (waiting for the one in flight, or launching the next) raises on every rank before the
 model is written: it holds the last synchronisation that completed.
@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import _comm
+from .groups import views_of
 
 
 def _done(value) -> torch.futures.Future:
@@ -52,15 +53,6 @@ def _done(value) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
-
-
-def _views_like(flat: torch.Tensor, views: List[torch.Tensor]) -> List[torch.Tensor]:
-    """Views of ``flat`` with the shapes and offsets of ``views`` (of another flat buffer)."""
-    out, off = [], 0
-    for v in views:
-        out.append(flat[off:off + v.numel()].view(v.shape))
-        off += v.numel()
-    return out
 
 
 class _DelayedMixin:
@@ -73,7 +65,7 @@ class _DelayedMixin:
         self._inflight: Optional[List[torch.futures.Future]] = None
         self._anchored = False
         self._anchors = [torch.zeros_like(g.outer) for g in self._groups] if delay_syncs else []
-        self._anchor_views = [_views_like(a, g.outer_views) for a, g in zip(self._anchors, self._groups)]
+        self._anchor_views = [views_of(a, g.params) for a, g in zip(self._anchors, self._groups)]
 
     @staticmethod
     def _check_delay(delay_syncs, overlap_steps, sync_every) -> None:

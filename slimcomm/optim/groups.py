@@ -15,6 +15,15 @@ from .sharded import local
 COMPRESSIONS = ("shared", "local", "dense")
 
 
+def views_of(flat: torch.Tensor, like: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Consecutive views of ``flat`` with the shapes of the tensors ``like``."""
+    out, off = [], 0
+    for t in like:
+        out.append(flat[off:off + t.numel()].view(t.shape))
+        off += t.numel()
+    return out
+
+
 class _Group:
     """One flat run of parameters: outer copy, scratch, momentum, views."""
 
@@ -37,12 +46,8 @@ class _Group:
         # buffer, or a view of one buffer that every group on the device shares
         self.scratch = torch.empty(n, dtype=torch.float32, device=dev) if scratch is None \
             else scratch[:n]
-        self.outer_views, self.scratch_views = [], []
-        off = 0
-        for p in params:
-            self.outer_views.append(self.outer[off:off + p.numel()].view(p.shape))
-            self.scratch_views.append(self.scratch[off:off + p.numel()].view(p.shape))
-            off += p.numel()
+        self.outer_views = views_of(self.outer, params)
+        self.scratch_views = views_of(self.scratch, params)
         self.momentum = torch.zeros(n, dtype=torch.float32, device=dev) if momentum else None
         self.reset_at = -1   # the synchronisation at which this rank last reset its inner state
 

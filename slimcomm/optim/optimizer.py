@@ -245,8 +245,8 @@ class SlimDPOptimizer(_GroupsMixin, _ProtocolMixin, _NonfiniteMixin, _Checkpoint
                                              keys=[p for _, p in named])
             # the groups too: each is one collective, so groups that differ across ranks
             # (bucket_cap_mb) would mismatch their sizes (gloo aborts the process)
-            hp = (sync_every, delay_syncs, overlap_steps, compression, self.outer_lr, self.outer_momentum,
-                  self.nesterov,
+            hp = (sync_every, delay_syncs, overlap_steps, compression, self.outer_lr,
+                  self.outer_momentum, self.nesterov,
                   self.compressor._hyperparameters(),
                   [(n, tuple(p.shape), str(p.dtype)) for n, p in named],
                   [g.key for g in self._groups],
