@@ -30,14 +30,14 @@ class _GradsMixin:
 
     def _attach_grads(self, subnet: nn.Sequential) -> Optional[_SubnetGrads]:
         """With gradient scaling: give the subnet's parameters gradients that are
-        views of one flat buffer, grouped by their factor ``world_size ** -k``.
+        views of one flat buffer, grouped by their factor ``subnets ** -k``.
 
         Built once per cached subnet (slices and views are dispatched ops);
         for a cached one the views are re-attached (Python attribute sets, no
         dispatched op) and the buffer zeroed (one op). ``None`` when nothing
         is scaled (no ``rescale``, ``scale_grads=False`` or world size 1).
         """
-        w = self._world_size
+        w = self.subnets
         if not (self.rescale and self.scale_grads and w > 1):
             return None
         entry = self._grad_cache.get(id(subnet))
@@ -55,7 +55,7 @@ class _GradsMixin:
 
             def factors(layer: Optional[int], size: int) -> torch.Tensor:
                 # 1 / c per neuron: c = 1 for an unsliced dimension or a shared neuron,
-                # world_size for the rank's own neurons (module docstring, "Gradient scaling").
+                # subnets for the rank's own neurons (module docstring, "Gradient scaling").
                 f = torch.ones(size, dtype=torch.float64)
                 if layer is not None:
                     f[self._counts[layer]:] = 1.0 / w

@@ -14,7 +14,11 @@ from torch import nn
 from .. import _comm, ops
 from .._comm import CollectiveError
 from .extraction import _strip_scales, extract_subnet
+from ..codec import ChunkPlan
 from .partition import partition
+
+#: values per quantisation chunk of the coded exchange (one bf16 scale each)
+EXCHANGE_CHUNK = 4096
 
 
 class _RoundsMixin:
@@ -35,14 +39,19 @@ class _RoundsMixin:
         host) only run when a subnet is built.
         """
         plan = self._plan
-        self._blocks = partition(plan.hidden_sizes, self._world_size, self.seed, self._round,
+        self._blocks = partition(plan.hidden_sizes, self.subnets, self.seed, self._round,
                                  shared=self.shared)
         self._rows, self._cols = self._upload_indices(self._blocks)
         full = [getattr(self.model[s.module], s.name) for s in plan.slices]
-        self._slice_numel = [ops.slices_numel(full, self._rows[r], self._cols[r])
-                             for r in range(self._world_size)]
+        self._slice_numel = [ops.slices_numel(full, self._rows[g], self._cols[g])
+                             for g in range(self.subnets)]
         self._shared_numel = sum(getattr(self.model[i], a).numel() for i, a in plan.shared)
         self._subnet = self._fill_subnet(full)
+        if self.exchange_bits is not None and self._world_size > 1:
+            # the coded exchange's chunk layouts (cached by shape: no op in a steady state)
+            self._plans = [self._chunk_plan(self._slice_counts(g)) for g in range(self.subnets)]
+            self._shared_plan = (self._chunk_plan([t.numel() for _, t in self._shared_tensors()])
+                                 if plan.shared else None)
         self._grads = self._attach_grads(self._subnet)
         optimizer = self._factory(self._subnet.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -55,16 +64,16 @@ class _RoundsMixin:
     def _upload_indices(
         self, blocks: Sequence[Sequence[torch.Tensor]]
     ) -> Tuple[List[List[Optional[torch.Tensor]]], List[List[Optional[torch.Tensor]]]]:
-        """Per-rank rows/cols index tensors of every sliced tensor, on the model's device.
+        """Per-subnet rows/cols index tensors of every sliced tensor, on the model's device.
 
-        All ranks' blocks travel in ONE host-to-device copy, ``non_blocking``
+        All subnets' blocks travel in ONE host-to-device copy, ``non_blocking``
         (from pageable host memory the driver stages the source before the
         call returns, so the temporary may be freed at once and no stream
         synchronisation happens), then one ``split`` gives views per (rank,
-        layer). Returns ``(rows, cols)`` with ``rows[r][t]`` for slice ``t``.
+        layer). Returns ``(rows, cols)`` with ``rows[g][t]`` for subnet ``g``, slice ``t``.
         """
         plan = self._plan
-        w, n_layers = self._world_size, len(blocks)
+        w, n_layers = self.subnets, len(blocks)
         order = [blocks[l][r] for r in range(w) for l in range(n_layers)]
         flat = torch.cat(order)
         if flat.device != plan.device:
@@ -114,7 +123,7 @@ class _RoundsMixin:
         equal those of :func:`extract_subnet` exactly (both are copies).
         """
         plan = self._plan
-        rank = self._rank
+        rank = self._group   # the subnet this rank trains
         shared_full = [getattr(self.model[i], a) for i, a in plan.shared]
         nones = [None] * len(shared_full)
         widths = tuple(int(layer[rank].numel()) for layer in self._blocks)
@@ -219,8 +228,6 @@ class _RoundsMixin:
         attrs = self._subnet_tensors(self._subnet)
         full_tensors = [getattr(self.model[s.module], s.name) for s in plan.slices]
         shared_full = [getattr(self.model[i], a) for i, a in plan.shared]
-        width = max(self.payload_numel(r) for r in range(w))
-        mine = self.payload_numel(self._rank)
         with torch.no_grad():
             if [getattr(m, a).data_ptr() for m, a in attrs] == self._subnet_ptrs:
                 packed = self._subnet_flat  # the subnet's tensors ARE the payload
@@ -228,36 +235,16 @@ class _RoundsMixin:
                 sub_tensors = [getattr(m, a).detach() for m, a in attrs]
                 nones = [None] * len(sub_tensors)
                 packed = ops.gather_slices_multi(sub_tensors, nones, nones)
-            if w == 1:
-                gathered = packed.unsqueeze(0)
+            if self.exchange_bits is None or w == 1:   # one rank: nothing travels
+                self._exchange_values(packed, full_tensors, shared_full)
             else:
-                send = torch.nn.functional.pad(packed, (0, width - mine))
-                gathered = packed.new_empty((w, width))
-                try:
-                    _comm.wait(_comm.all_gather(gathered.view(-1), send, self._pg,
-                                                self._timeout), self._what(), self._timeout)
-                except CollectiveError as exc:  # nothing was written into the model
-                    self._failed = str(exc)
-                    raise
-            for r in range(w):
-                n = self._slice_numel[r]
-                ops.scatter_slices_multi(
-                    full_tensors, self._rows[r], self._cols[r], gathered[r, :n])
-            if plan.shared:
-                acc = gathered[0, self._slice_numel[0]:self.payload_numel(0)].float()
-                for r in range(1, w):
-                    acc = acc + gathered[r, self._slice_numel[r]:self.payload_numel(r)].float()
-                acc = (acc / w).to(plan.dtype)
-                parts = acc.split([t.numel() for t in shared_full])
-                torch._foreach_copy_([t.view(-1) for t in shared_full], list(parts))
+                self._exchange_codes(packed, full_tensors, shared_full)
             if self._shared_slices and w > 1:
                 self._average_shared(attrs)
             counters = self._counter_pairs(self._subnet)
             if counters:
                 torch._foreach_copy_([f for _, f in counters], [s for s, _ in counters])
         self._rounds += 1
-        self._payload_bytes += mine * self._itemsize
-        self._wire_bytes += (w - 1) * width * self._itemsize
         if self._shared_slices and w > 1:   # ring all-reduce of the fp32 shared region
             n = self._shared_numel_cache
             self._payload_bytes += n * 4
@@ -265,3 +252,139 @@ class _RoundsMixin:
         self._local_step = 0
         self._round += 1
         self._begin_round()
+
+    def _all_gather(self, send: torch.Tensor, width: int) -> torch.Tensor:
+        """``[world_size, width]``: every rank's ``send`` (padded to ``width``), in rank
+        order; a failed or timed-out collective marks the trainer failed and raises
+        :class:`~slimcomm.CollectiveError` before anything is written."""
+        w = self._world_size
+        if w == 1:
+            return send.unsqueeze(0)
+        send = torch.nn.functional.pad(send, (0, width - send.numel()))
+        gathered = send.new_empty((w, width))
+        try:
+            _comm.wait(_comm.all_gather(gathered.view(-1), send, self._pg, self._timeout),
+                       self._what(), self._timeout)
+        except CollectiveError as exc:  # nothing was written into the model
+            self._failed = str(exc)
+            raise
+        self._wire_bytes += (w - 1) * width * send.element_size()
+        return gathered
+
+    def _exchange_values(self, packed: torch.Tensor, full_tensors: List[torch.Tensor],
+                         shared_full: List[torch.Tensor]) -> None:
+        """Exact exchange (``exchange_bits=None``): one ``all_gather`` of the trained
+        values; each subnet's slices are written back (the mean of its ranks' values,
+        fp32 in rank order, when several ranks trained it), the shared tensors get the
+        mean over all ranks."""
+        plan = self._plan
+        w = self._world_size
+        width = max(self.payload_numel(r) for r in range(w))
+        self._payload_bytes += packed.numel() * self._itemsize
+        gathered = self._all_gather(packed, width)
+        for g, ranks in enumerate(self._members):
+            n = self._slice_numel[g]
+            if len(ranks) == 1:
+                vals = gathered[ranks[0], :n]
+            else:
+                acc = gathered[ranks[0], :n].float()
+                for r in ranks[1:]:
+                    acc = acc + gathered[r, :n].float()
+                vals = (acc / len(ranks)).to(plan.dtype)
+            ops.scatter_slices_multi(full_tensors, self._rows[g], self._cols[g], vals)
+        if plan.shared:
+            acc = gathered[0, self._slice_numel[self._members_of(0)]:self.payload_numel(0)].float()
+            for r in range(1, w):
+                acc = acc + gathered[r, self._slice_numel[self._members_of(r)]:
+                                     self.payload_numel(r)].float()
+            acc = (acc / w).to(plan.dtype)
+            parts = acc.split([t.numel() for t in shared_full])
+            torch._foreach_copy_([t.view(-1) for t in shared_full], list(parts))
+
+    def _shared_tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        return [(a, getattr(self.model[i], a)) for i, a in self._plan.shared]
+
+    def _members_of(self, rank: int) -> int:
+        return rank % self.subnets
+
+    def _chunk_plan(self, counts: Sequence[int]) -> ChunkPlan:
+        """The :class:`~slimcomm.codec.ChunkPlan` of a payload with these per-tensor counts
+        (cached: a few distinct layouts per run)."""
+        key = tuple(int(c) for c in counts)
+        p = self._chunk_plans.get(key)
+        if p is None:
+            if len(self._chunk_plans) >= 4 * self.subnets + 1:
+                self._chunk_plans.pop(next(iter(self._chunk_plans)))
+            p = self._chunk_plans[key] = ChunkPlan(list(key), EXCHANGE_CHUNK, self._plan.device)
+        return p
+
+    def _slice_counts(self, g: int) -> List[int]:
+        """Values of every sliced tensor in subnet ``g``'s payload, in plan order (host ints)."""
+        out = []
+        for s in self._plan.slices:
+            t = getattr(self.model[s.module], s.name)
+            rows = t.shape[0] if s.row_layer is None else self._blocks[s.row_layer][g].numel()
+            if t.dim() == 1:
+                out.append(int(rows))
+            else:
+                cols = t.shape[1] if s.col_layer is None else self._blocks[s.col_layer][g].numel()
+                out.append(int(rows) * int(cols))
+        return out
+
+    def _exchange_codes(self, packed: torch.Tensor, full_tensors: List[torch.Tensor],
+                        shared_full: List[torch.Tensor]) -> None:
+        """Coded exchange (``exchange_bits=b``): every rank sends its round's update
+        (trained values minus the round's start, fp32) as per-chunk scaled ``b``-bit codes
+        (:func:`slimcomm.ops.quantize_chunks`, bf16 scales, chunks of
+        :data:`EXCHANGE_CHUNK` values that never cross a tensor), in ONE ``all_gather``
+        of bytes laid out ``[shared codes | shared scales | slice codes | slice scales]``;
+        every rank decodes every subnet's rows with
+        :func:`slimcomm.ops.dequantize_chunks_mean` (the mean over the subnet's ranks, in
+        rank order) and adds it to the round's start in fp32, so all ranks write the
+        same bytes-derived values and stay bit-identical; the shared tensors get the mean
+        update over all ranks."""
+        plan = self._plan
+        w, b, g_me = self._world_size, self.exchange_bits, self._group
+        nones_s = [None] * len(shared_full)
+        k_me = self._slice_numel[g_me]
+        start = ops.gather_slices_multi(full_tensors + shared_full, self._rows[g_me] + nones_s,
+                                        self._cols[g_me] + nones_s)
+        delta = packed.float().sub_(start.float())
+        shared_plan, plans = self._shared_plan, self._plans
+
+        def nbytes(p: ChunkPlan) -> Tuple[int, int]:
+            # codes padded to an even byte count: every bf16 scale block starts 2-aligned
+            return ((p.numel * b + 7) // 8 + 1) // 2 * 2, 2 * p.nchunks
+
+        def encode(p: ChunkPlan, vals: torch.Tensor) -> List[torch.Tensor]:
+            c, s, _ = p.quantize(vals, b)
+            return [torch.nn.functional.pad(c, (0, nbytes(p)[0] - c.numel())),
+                    s.view(torch.uint8)]
+
+        parts = []
+        head = 0
+        if shared_plan is not None:
+            parts += encode(shared_plan, delta[k_me:])
+            head = sum(nbytes(shared_plan))
+        parts += encode(plans[g_me], delta[:k_me])
+        send = torch.cat(parts)
+        width = head + max(sum(nbytes(p)) for p in plans)
+        self._payload_bytes += send.numel()
+        gathered = self._all_gather(send, width)
+        for g, ranks in enumerate(self._members):
+            cb, sb = nbytes(plans[g])
+            rows = gathered[g::self.subnets] if len(ranks) > 1 else gathered[ranks[0]:ranks[0] + 1]
+            codes = rows[:, head:head + cb].contiguous()
+            scales = rows[:, head + cb:head + cb + sb].contiguous().view(torch.bfloat16)
+            update = plans[g].dequantize_mean(codes, scales, b, float(len(ranks)))
+            vals = ops.gather_slices_multi(full_tensors, self._rows[g], self._cols[g]).float()
+            ops.scatter_slices_multi(full_tensors, self._rows[g], self._cols[g],
+                                     vals.add_(update).to(plan.dtype))
+        if shared_plan is not None:
+            cb, sb = nbytes(shared_plan)
+            codes = gathered[:, :cb].contiguous()
+            scales = gathered[:, cb:cb + sb].contiguous().view(torch.bfloat16)
+            update = shared_plan.dequantize_mean(codes, scales, b, float(w))
+            vals = start[k_me:].float().add_(update).to(plan.dtype)
+            torch._foreach_copy_([t.view(-1) for t in shared_full],
+                                 list(vals.split([t.numel() for t in shared_full])))

@@ -15,6 +15,7 @@ from .. import _comm, ops
 from .checkpoint import _CheckpointMixin
 from .extraction import _build_plan
 from .grads import _GradsMixin, _SubnetGrads
+from ..codec import BITS, ChunkPlan
 from .partition import _check_int, partition, shared_counts
 from .protocol import _FP_ERROR, _ProtocolMixin
 from .rounds import _RoundsMixin
@@ -138,6 +139,8 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
         rescale: bool = True,
         scale_grads: bool = True,
         shared: float = 0.0,
+        subnets: Optional[int] = None,
+        exchange_bits: Optional[int] = 4,
         broadcast_model: bool = True,
         timeout: Optional[float] = 300.0,
     ):
@@ -170,10 +173,13 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
                     f"broadcast_model must be a bool, got {type(broadcast_model).__name__}"
                 )
             plan = _build_plan(model)
-            partition(plan.hidden_sizes, self._world_size, seed, 0, shared=shared)
+            n_subnets = _check_subnets(subnets, self._world_size)
+            _check_exchange_bits(exchange_bits)
+            partition(plan.hidden_sizes, n_subnets, seed, 0, shared=shared)
             text = (f"{plan.descriptor}|world_size={self._world_size}|seed={seed}"
                     f"|local_steps={local_steps}|rescale={rescale}|broadcast={broadcast_model}"
-                    f"|scale_grads={scale_grads}|shared={float(shared)!r}")
+                    f"|scale_grads={scale_grads}|shared={float(shared)!r}"
+                    f"|subnets={n_subnets}|exchange_bits={exchange_bits}")
             digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
             fingerprint = int.from_bytes(digest, "little") >> 1   # 63 bits, >= 0
         except Exception as exc:  # noqa: BLE001 - must reach the exchange below, never hang
@@ -191,7 +197,12 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
         self.rescale = rescale
         self.scale_grads = scale_grads
         self.shared = float(shared)
-        self._counts = shared_counts(plan.hidden_sizes, self._world_size, self.shared)
+        self.subnets = n_subnets
+        self.exchange_bits = exchange_bits
+        self._group = self._rank % n_subnets
+        # ranks of each subnet, in rank order (rank r trains subnet r % subnets)
+        self._members = [list(range(g, self._world_size, n_subnets)) for g in range(n_subnets)]
+        self._counts = shared_counts(plan.hidden_sizes, n_subnets, self.shared)
         self._shared_slices = [
             t for t, sl in enumerate(plan.slices)
             if (sl.row_layer is None or self._counts[sl.row_layer])
@@ -209,6 +220,7 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
         self._round = 0
         self._local_step = 0
         self._subnet_cache: Dict[Tuple[int, ...], Any] = {}
+        self._chunk_plans: Dict[Tuple[int, ...], ChunkPlan] = {}
         self._check_bytes = 0
         self._failed: Optional[str] = None
         self._joined = False
@@ -255,8 +267,9 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
         return self._optimizer
 
     def payload_numel(self, rank: int) -> int:
-        """Elements rank ``rank`` sends in the current round (slices + shared)."""
-        return self._slice_numel[rank] + self._shared_numel
+        """Values rank ``rank`` sends in the current round (slices + shared tensors; with
+        ``exchange_bits`` each travels as a code of that many bits)."""
+        return self._slice_numel[rank % self.subnets] + self._shared_numel
 
     @property
     def stats(self) -> ISTStats:
@@ -376,3 +389,25 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
         self._agree(joined=False)
         with ops.trusted_indices():  # the slices come from our own partition: no CUDA value-check syncs
             self._synchronize()
+
+
+#: default upper bound on the number of distinct subnets per round (``subnets=None``)
+MAX_DEFAULT_SUBNETS = 4
+
+
+def _check_subnets(subnets: Any, world_size: int) -> int:
+    """The number of distinct subnets per round: ``subnets``, or ``min(world_size,
+    MAX_DEFAULT_SUBNETS)`` when ``None``; an int in ``[1, world_size]``."""
+    if subnets is None:
+        return min(world_size, MAX_DEFAULT_SUBNETS)
+    _check_int(subnets, "subnets", 1)
+    if subnets > world_size:
+        raise ValueError(f"subnets must be <= world_size = {world_size} (every subnet needs a "
+                         f"rank to train it), got {subnets}")
+    return subnets
+
+
+def _check_exchange_bits(bits: Any) -> None:
+    if bits is not None and (isinstance(bits, bool) or bits not in BITS):
+        raise ValueError(f"exchange_bits must be None (exact values) or one of {sorted(BITS)}, "
+                         f"got {bits!r}")

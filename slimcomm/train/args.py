@@ -83,6 +83,14 @@ def _positive_float(name):
     return conv
 
 
+def _exchange_bits(s: str):
+    if s.lower() == "none":
+        return 0   # exact values (ISTTrainer(exchange_bits=None)); None = not given
+    if s not in ("1", "2", "4", "8"):
+        raise argparse.ArgumentTypeError(f"--ist-exchange-bits must be 1, 2, 4, 8 or none, got {s!r}")
+    return int(s)
+
+
 def _float_range(name, lo, hi=None, *, lo_open=False, hi_open=True):
     """argparse type: a finite float in the interval from lo to hi (hi None = unbounded), errors naming the flag."""
     def conv(s):
@@ -336,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ist-shared", type=_float_range("--ist-shared", 0.0, 1.0), default=0.0, metavar="F",
                    help="fraction of every hidden layer's neurons in every rank's subnet, averaged at each "
                         "synchronisation (ISTTrainer(shared=F); 0 = disjoint subnets)")
+    g.add_argument("--ist-subnets", type=_positive_int("--ist-subnets"), default=None, metavar="G",
+                   help="distinct subnets per round: rank r trains subnet r %% G, the ranks of a subnet are "
+                        "averaged (ISTTrainer(subnets=G); default min(world size, 4))")
+    g.add_argument("--ist-exchange-bits", type=_exchange_bits, default=None, metavar="B",
+                   help="bits per value of the round's update in the exchange: 1, 2, 4 or 8 (per-chunk "
+                        "scaled codes) or 'none' (exact values) (ISTTrainer(exchange_bits=B); default 4)")
     g.add_argument("--no-scale-grads", action="store_true",
                    help="the original IST update: do not scale each sliced tensor's gradient by its share "
                         "of the tensor (world_size**-k); its stable lr then shrinks with the world size")
@@ -545,6 +559,14 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.method == "ist" and lm and getattr(args, "ist_shared", 0.0):
         bad("--ist-shared applies to --method ist with --model mlp; the GPT's IST (GPTISTTrainer) "
             "partitions heads and FFN neurons without shared ones")
+    if args.method == "ist" and lm:
+        for flag in ("--ist-subnets", "--ist-exchange-bits"):
+            if given(flag.lstrip("-").replace("-", "_")):
+                bad(f"{flag} applies to --method ist with --model mlp (ISTTrainer); the GPT's IST "
+                    f"(GPTISTTrainer) exchanges exact values, one subnet per rank")
+    ws = getattr(args, "world_size", None)
+    if args.method == "ist" and getattr(args, "ist_subnets", None) and ws and args.ist_subnets > ws:
+        bad(f"--ist-subnets {args.ist_subnets} exceeds the world size {ws} (every subnet needs a rank)")
     if lm:
         for name in _IMAGE_ONLY:
             if given(name):

@@ -203,6 +203,10 @@ class _Method:
                 seed=args.seed,
                 scale_grads=not args.no_scale_grads,
                 shared=args.ist_shared,
+                subnets=getattr(args, "ist_subnets", None),
+                # --ist-exchange-bits: None = not given (the trainer's default), 0 = 'none'
+                **({} if getattr(args, "ist_exchange_bits", None) is None
+                   else {"exchange_bits": args.ist_exchange_bits or None}),
             )
             return
         if self.sync_optimizer:
