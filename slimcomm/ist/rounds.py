@@ -1,7 +1,8 @@
-"""One round of :class:`~slimcomm.ist.ISTTrainer`: draw the partition, upload every rank's
+"""One round of :class:`~slimcomm.ist.ISTTrainer`: draw the partition, upload every subnet's
 indices, (re)fill the cached subnet whose tensors are views of the payload buffer, and
-the synchronisation itself (ONE ``all_gather`` of the packed slices, the write-back into
-the full model, the mean of the shared tensors and the shared neurons' region)."""
+the synchronisation itself (ONE ``all_gather`` of the packed slices, exact or as low-bit
+codes of the round's update, the write-back into the full model with the mean over a
+subnet's ranks, the mean of the shared tensors and the shared neurons' region)."""
 
 from __future__ import annotations
 
@@ -293,9 +294,9 @@ class _RoundsMixin:
                 vals = (acc / len(ranks)).to(plan.dtype)
             ops.scatter_slices_multi(full_tensors, self._rows[g], self._cols[g], vals)
         if plan.shared:
-            acc = gathered[0, self._slice_numel[self._members_of(0)]:self.payload_numel(0)].float()
+            acc = gathered[0, self._slice_numel[self._subnet_of(0)]:self.payload_numel(0)].float()
             for r in range(1, w):
-                acc = acc + gathered[r, self._slice_numel[self._members_of(r)]:
+                acc = acc + gathered[r, self._slice_numel[self._subnet_of(r)]:
                                      self.payload_numel(r)].float()
             acc = (acc / w).to(plan.dtype)
             parts = acc.split([t.numel() for t in shared_full])
@@ -304,7 +305,8 @@ class _RoundsMixin:
     def _shared_tensors(self) -> List[Tuple[str, torch.Tensor]]:
         return [(a, getattr(self.model[i], a)) for i, a in self._plan.shared]
 
-    def _members_of(self, rank: int) -> int:
+    def _subnet_of(self, rank: int) -> int:
+        """The subnet rank ``rank`` trains."""
         return rank % self.subnets
 
     def _chunk_plan(self, counts: Sequence[int]) -> ChunkPlan:

@@ -16,9 +16,12 @@ class ISTStats:
         payload_bytes: this rank's trained slices plus the shared output bias
             (and BatchNorm running statistics), unpadded, summed over rounds.
             Per round this is the analytic subnet size: per Linear,
-            ``n_in * n_out / world_size`` for the first and last layer and
-            ``n_in * n_out / world_size**2`` between hidden layers (exactly:
-            the product of the block sizes).
+            ``n_in * n_out / subnets`` for the first and last layer and
+            ``n_in * n_out / subnets**2`` between hidden layers (exactly:
+            the product of the block sizes), times the value size: the
+            model's dtype with ``exchange_bits=None``, else ``exchange_bits/8``
+            bytes per value (codes padded to an even byte count) plus 2 bytes
+            per 4096-value chunk (bf16 scales).
             With shared neurons (``ISTTrainer(shared=f)``) it also counts the
             shared region handed to the extra ``all_reduce`` (fp32, 4 bytes
             per element) every round.

@@ -35,15 +35,40 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
        own data, with no communication, using a fresh optimizer from
        ``optimizer_factory(subnet.parameters())``;
     3. :meth:`synchronize` (called automatically after ``local_steps`` steps)
-       sends the rank's trained slices as one flat buffer (the subnet's
-       tensors are views of it, filled by
-       :func:`slimcomm.ops.gather_slices_multi` at the start of the round), padded to
-       the largest rank's size (known to every rank from the shared
-       partition, so no size exchange), runs ONE ``all_gather``, and writes
-       every rank's slices into the full model with
-       :func:`slimcomm.ops.scatter_slices_multi`; the blocks are disjoint, so
-       nothing is averaged except the shared output bias (mean over ranks,
-       in rank order, fp32). Afterwards every rank holds the same full model.
+       sends the rank's round update in ONE ``all_gather``, padded to the
+       largest rank's size (known to every rank from the shared partition, so
+       no size exchange), and every rank writes every subnet's result into
+       the full model with :func:`slimcomm.ops.scatter_slices_multi`; the
+       blocks are disjoint, so nothing is averaged except the shared output
+       bias (mean over ranks, fp32, rank order) and, when several ranks train
+       one subnet (``subnets < world_size``), that subnet's ranks. By default
+       the update travels as 4-bit codes (``exchange_bits``, below).
+       Afterwards every rank holds the same full model.
+
+    Subnets and ranks: the partition has ``subnets`` blocks (default
+    ``min(world_size, 4)``); rank ``r`` trains subnet ``r % subnets`` on its
+    own data, so with 8 ranks and 4 subnets each subnet is trained by 2 ranks
+    and their results are averaged (local SGD inside a subnet, IST across
+    them). A subnet then is ``1/subnets`` of every hidden layer wide, not
+    ``1/world_size``: at 8 ranks a 1/8-wide subnet of the 2-hidden-layer MLP
+    trains only 1/8 of each hidden-to-hidden matrix per round and plateaus
+    below 0.85 on Fashion-MNIST, where 4 subnets of 2 ranks reach it
+    (``bench/results/ist_scaling/subnets_sim.md``). ``subnets = 1`` is plain
+    local SGD with model averaging; ``subnets = world_size`` the original IST.
+
+    Exchange (``exchange_bits``): with ``None`` the trained values travel as
+    they are (the model's dtype) and are written back exactly. With ``b`` in
+    (1, 2, 4, 8) (default 4) each rank sends its round's update, the trained
+    values minus the round's start (fp32), as per-chunk scaled ``b``-bit codes
+    (:func:`slimcomm.ops.quantize_chunks`: chunks of 4096 values within one
+    tensor, one bf16 scale each; the codec of the Slim-DP compressor), about
+    ``b/32`` of the fp32 bytes; every rank decodes the same bytes
+    (:func:`slimcomm.ops.dequantize_chunks_mean`, the mean over a subnet's
+    ranks) and adds the update to the round's start in fp32, so replicas stay
+    bit-identical. There is no error feedback: the rounding error of a round
+    is dropped (measured: 4-bit codes train as exact values do, 2-bit ones do
+    not; ``subnets_sim.md``), so checkpoints need no per-rank state. At world
+    size 1 nothing travels and values are exact.
 
     Weights between neurons of different blocks are not trained in a round.
 
@@ -64,7 +89,7 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
     Construction is a collective call on ``process_group``: every rank first
     validates its model locally, then the ranks exchange a 63-bit fingerprint
     of (architecture, dtype, world size, seed, local_steps, rescale,
-    scale_grads, shared) in one
+    scale_grads, shared, subnets, exchange_bits) in one
     ``all_gather`` of ``world_size`` int64, so a rank with a bad or different
     model makes EVERY rank raise instead of hanging in a later collective.
     Then, with ``broadcast_model=True`` (default, as DDP does), the full model
@@ -101,6 +126,13 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
             subnet (:func:`partition`; 0 = disjoint subnets, the original
             IST); their weights are averaged over the ranks at every
             synchronisation (module docstring, "Shared neurons").
+        subnets: distinct subnets per round, an int in ``[1, world_size]``
+            (``None`` = ``min(world_size, 4)``); rank ``r`` trains subnet
+            ``r % subnets`` (see "Subnets and ranks" above). The forward and
+            gradient scales use ``subnets`` where the module docstring says
+            ``world_size``.
+        exchange_bits: ``None`` (exact values) or 1, 2, 4, 8: bits per value of
+            the round's update in the exchange (default 4; see "Exchange").
         broadcast_model: broadcast rank 0's model at construction.
         timeout: seconds any one collective of the trainer may wait (default
             300; ``None`` = the process group's own timeout, 30 minutes on
@@ -119,8 +151,10 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
     not written, and the trainer refuses further use.
 
     Raises:
-        TypeError / ValueError: bad arguments or an unsupported model (on the
-            rank that has it, after the check exchange).
+        TypeError / ValueError: bad arguments (``subnets`` not an int in
+            ``[1, world_size]``, ``exchange_bits`` not None/1/2/4/8, ...) or an
+            unsupported model (on the rank that has it, after the check
+            exchange).
         RuntimeError: another rank failed validation, or the ranks disagree
             on the model or settings (raised on every rank).
     """
