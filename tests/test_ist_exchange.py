@@ -272,3 +272,67 @@ def test_ranks_with_different_exchange_settings_raise_on_every_rank():
     msgs = run_workers(_disagree_body, 2, timeout=120)
     for m in msgs:
         assert m is not None and "ranks grouped by fingerprint: [[0], [1]]" in m, m
+
+
+def _other_subnets_body(rank, world_size):
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    a = ist.ISTTrainer(_model(), sgd, local_steps=3, subnets=2, timeout=30)
+    a.step(*_batches(rank, 1)[0], F.cross_entropy)
+    state = copy.deepcopy(a.state_dict())
+    b = ist.ISTTrainer(_model(), sgd, local_steps=3, subnets=1, timeout=30)
+    before = _state(b.model)
+    try:
+        b.load_state_dict(state)
+    except ValueError as exc:
+        return str(exc), torch.equal(before["0.weight"], _state(b.model)["0.weight"])
+    return None, None
+
+
+def test_mid_round_state_needs_the_same_subnets():
+    for msg, untouched in run_workers(_other_subnets_body, 2, timeout=120):
+        assert msg is not None and "state_dict['subnets'] = 2 differs from 1" in msg, msg
+        assert untouched
+
+
+def _diverged_body(rank, world_size, subnets, bits, shared):
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    model = _model()
+    trainer = ist.ISTTrainer(model, sgd, local_steps=2, seed=3, subnets=subnets,
+                             exchange_bits=bits, shared=shared, timeout=60)
+    data = _batches(rank, 4)
+    trainer.step(*data[0], F.cross_entropy)
+    start = _state(model)
+    blocks = [[b.clone() for b in layer] for layer in trainer.blocks]
+    if rank == 1:   # rank 1's subnet diverges in its last local step
+        with torch.no_grad():
+            for p in trainer.subnet.parameters():
+                p.view(-1)[::3] = float("nan")
+                p.view(-1)[1::3] = float("inf")
+    trainer.step(*data[1], F.cross_entropy)   # ends the round: the exchange
+    after = _state(model)
+    trainer.step(*data[2], F.cross_entropy)   # the next round trains on
+    trainer.step(*data[3], F.cross_entropy)
+    return dict(start=start, after=after, blocks=blocks, later=_state(model),
+                subnets=trainer.subnets)
+
+
+@pytest.mark.parametrize("subnets, bits, shared", [
+    (None, 4, 0.0), (2, 4, 0.0), (3, None, 0.0), (2, None, 0.0), (3, 4, 0.3)])
+def test_a_diverged_rank_writes_nothing_non_finite(subnets, bits, shared):
+    res = run_workers(_diverged_body, 3, subnets, bits, shared, timeout=180)
+    for r in res:
+        _assert_states_equal(r["after"], res[0]["after"])    # replicas identical
+        _assert_states_equal(r["later"], res[0]["later"])
+        for k, v in r["after"].items():
+            assert torch.isfinite(v.float()).all(), k
+        for k, v in r["later"].items():
+            assert torch.isfinite(v.float()).all(), k
+    G = res[0]["subnets"]
+    # the other ranks' subnets were still applied: the model moved outside rank 1's subnet
+    start, after = res[0]["start"], res[0]["after"]
+    rows0 = res[0]["blocks"][0][0 % G]
+    assert not torch.equal(start["0.weight"][rows0], after["0.weight"][rows0])
+    if G == 3 and not shared and bits is not None:
+        # rank 1 alone trained subnet 1 and every chunk of it holds nan/inf: all kept the start
+        rows1 = res[0]["blocks"][0][1]
+        assert torch.equal(start["0.weight"][rows1], after["0.weight"][rows1])

@@ -19,7 +19,14 @@ This module provides the three pieces:
 * :class:`ISTTrainer` runs the local steps and the synchronisation round, in
   which every rank's trained slices travel in ONE ``all_gather`` of packed
   buffers (:func:`slimcomm.ops.gather_slices_multi` /
-  :func:`slimcomm.ops.scatter_slices_multi`).
+  :func:`slimcomm.ops.scatter_slices_multi`), by default as 4-bit codes of
+  the round's update (``exchange_bits``); with more ranks than subnets
+  (``subnets``, default ``min(world_size, 4)``) several ranks train each
+  subnet and are averaged.
+
+Below, ``world_size`` is the number of blocks of the partition: the
+:class:`ISTTrainer`'s ``subnets`` (equal to the world size when every rank
+trains its own subnet, the original IST).
 
 Supported models
 ----------------

@@ -36,6 +36,8 @@ class _CheckpointMixin:
             "rescale": self.rescale,
             "scale_grads": self.scale_grads,
             "shared": self.shared,
+            "subnets": self.subnets,
+            "exchange_bits": self.exchange_bits,
             "round": self._round,
             "local_step": self._local_step,
             "model": self.model.state_dict(),
@@ -50,8 +52,9 @@ class _CheckpointMixin:
         """Restore a :meth:`state_dict`.
 
         A state taken at a round boundary (``local_step == 0``) may be loaded
-        with a different world size or ``local_steps``; a mid-round state needs
-        the same world size, and this rank's own state. The seed must match
+        with a different world size, ``local_steps``, ``subnets`` or
+        ``exchange_bits``; a mid-round state needs the same world size,
+        ``local_steps`` and ``subnets``, and this rank's own state. The seed must match
         (it defines the partitions of the rounds to come).
 
         Collective when distributed (all ranks call it together): after the
@@ -64,7 +67,7 @@ class _CheckpointMixin:
         Raises:
             KeyError: a missing key.
             ValueError: ``seed`` differs, or a mid-round state with a
-                different ``world_size``/``local_steps`` or saved by another
+                different ``world_size``/``local_steps``/``subnets`` or saved by another
                 rank (raised there; the other ranks raise RuntimeError).
             RuntimeError: ``state["model"]`` does not fit the model (missing or
                 unexpected keys, other shapes; raised before any weight is
@@ -133,6 +136,11 @@ class _CheckpointMixin:
             raise ValueError(
                 f"state_dict['shared'] = {state.get('shared', 0.0)} differs from {self.shared}; a "
                 f"mid-round state needs the same shared fraction (its subnet has that width)")
+        if mid and state.get("subnets", state["world_size"]) != self.subnets:
+            raise ValueError(
+                f"state_dict['subnets'] = {state.get('subnets', state['world_size'])} differs from "
+                f"{self.subnets}; a mid-round state needs the same number of subnets (its subnet "
+                f"has that width)")
         if mid and state["local_steps"] != self.local_steps:
             raise ValueError(
                 f"state_dict['local_steps'] = {state['local_steps']} differs from "

@@ -66,6 +66,24 @@ class _ProtocolMixin:
             raise CollectiveError(f"ISTTrainer cannot be used after a failed synchronisation: "
                                   f"{self._failed}")
 
+    def _all_gather(self, send: torch.Tensor, width: int) -> torch.Tensor:
+        """``[world_size, width]``: every rank's ``send`` (padded to ``width``), in rank
+        order; a failed or timed-out collective marks the trainer failed and raises
+        :class:`~slimcomm.CollectiveError` before anything is written."""
+        w = self._world_size
+        if w == 1:
+            return send.unsqueeze(0)
+        send = torch.nn.functional.pad(send, (0, width - send.numel()))
+        gathered = send.new_empty((w, width))
+        try:
+            _comm.wait(_comm.all_gather(gathered.view(-1), send, self._pg, self._timeout),
+                       self._what(), self._timeout)
+        except CollectiveError as exc:  # nothing was written into the model
+            self._failed = str(exc)
+            raise
+        self._wire_bytes += (w - 1) * width * send.element_size()
+        return gathered
+
     def _what(self) -> str:
         return (f"ISTTrainer.synchronize (round {self._round}, local step {self._local_step}, "
                 f"step {self._steps})")

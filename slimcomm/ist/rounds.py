@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _comm, ops
-from .._comm import CollectiveError
+from .. import ops
 from .extraction import _strip_scales, extract_subnet
 from ..codec import ChunkPlan
 from .partition import partition
@@ -215,7 +214,8 @@ class _RoundsMixin:
                 for t in self._shared_slices]
         cols = [None if plan.slices[t].col_layer is None else idx[plan.slices[t].col_layer]
                 for t in self._shared_slices]
-        ops.scatter_slices_multi(full, rows, cols, part)
+        start = ops.gather_slices_multi(full, rows, cols)   # a diverged rank's nan/inf: not written
+        ops.scatter_slices_multi(full, rows, cols, torch.where(torch.isfinite(part), part, start))
 
     def _counter_pairs(self, subnet: nn.Sequential) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(subnet, model) ``num_batches_tracked`` tensors of the BatchNorm layers."""
@@ -254,30 +254,13 @@ class _RoundsMixin:
         self._round += 1
         self._begin_round()
 
-    def _all_gather(self, send: torch.Tensor, width: int) -> torch.Tensor:
-        """``[world_size, width]``: every rank's ``send`` (padded to ``width``), in rank
-        order; a failed or timed-out collective marks the trainer failed and raises
-        :class:`~slimcomm.CollectiveError` before anything is written."""
-        w = self._world_size
-        if w == 1:
-            return send.unsqueeze(0)
-        send = torch.nn.functional.pad(send, (0, width - send.numel()))
-        gathered = send.new_empty((w, width))
-        try:
-            _comm.wait(_comm.all_gather(gathered.view(-1), send, self._pg, self._timeout),
-                       self._what(), self._timeout)
-        except CollectiveError as exc:  # nothing was written into the model
-            self._failed = str(exc)
-            raise
-        self._wire_bytes += (w - 1) * width * send.element_size()
-        return gathered
-
     def _exchange_values(self, packed: torch.Tensor, full_tensors: List[torch.Tensor],
                          shared_full: List[torch.Tensor]) -> None:
         """Exact exchange (``exchange_bits=None``): one ``all_gather`` of the trained
         values; each subnet's slices are written back (the mean of its ranks' values,
         fp32 in rank order, when several ranks trained it), the shared tensors get the
-        mean over all ranks."""
+        mean over all ranks. A non-finite value (a rank diverged) is not written: that
+        entry keeps the round's start, on every rank alike."""
         plan = self._plan
         w = self._world_size
         width = max(self.payload_numel(r) for r in range(w))
@@ -292,13 +275,17 @@ class _RoundsMixin:
                 for r in ranks[1:]:
                     acc = acc + gathered[r, :n].float()
                 vals = (acc / len(ranks)).to(plan.dtype)
-            ops.scatter_slices_multi(full_tensors, self._rows[g], self._cols[g], vals)
+            start = ops.gather_slices_multi(full_tensors, self._rows[g], self._cols[g])
+            ops.scatter_slices_multi(full_tensors, self._rows[g], self._cols[g],
+                                     torch.where(torch.isfinite(vals), vals, start))
         if plan.shared:
             acc = gathered[0, self._slice_numel[self._subnet_of(0)]:self.payload_numel(0)].float()
             for r in range(1, w):
                 acc = acc + gathered[r, self._slice_numel[self._subnet_of(r)]:
                                      self.payload_numel(r)].float()
             acc = (acc / w).to(plan.dtype)
+            start = torch.cat([t.reshape(-1) for t in shared_full])
+            acc = torch.where(torch.isfinite(acc), acc, start)
             parts = acc.split([t.numel() for t in shared_full])
             torch._foreach_copy_([t.view(-1) for t in shared_full], list(parts))
 
@@ -344,7 +331,8 @@ class _RoundsMixin:
         :func:`slimcomm.ops.dequantize_chunks_mean` (the mean over the subnet's ranks, in
         rank order) and adds it to the round's start in fp32, so all ranks write the
         same bytes-derived values and stay bit-identical; the shared tensors get the mean
-        update over all ranks."""
+        update over all ranks. A non-finite decoded update (a chunk coded from a diverged
+        rank's nan/inf) is dropped: those entries keep the round's start."""
         plan = self._plan
         w, b, g_me = self._world_size, self.exchange_bits, self._group
         nones_s = [None] * len(shared_full)
@@ -379,6 +367,9 @@ class _RoundsMixin:
             codes = rows[:, head:head + cb].contiguous()
             scales = rows[:, head + cb:head + cb + sb].contiguous().view(torch.bfloat16)
             update = plans[g].dequantize_mean(codes, scales, b, float(len(ranks)))
+            # a chunk coded from non-finite values (a rank diverged) decodes to nan/inf:
+            # it is not applied, its entries keep the round's start on every rank
+            update = torch.nan_to_num_(update, nan=0.0, posinf=0.0, neginf=0.0)
             vals = ops.gather_slices_multi(full_tensors, self._rows[g], self._cols[g]).float()
             ops.scatter_slices_multi(full_tensors, self._rows[g], self._cols[g],
                                      vals.add_(update).to(plan.dtype))
@@ -387,6 +378,7 @@ class _RoundsMixin:
             codes = gathered[:, :cb].contiguous()
             scales = gathered[:, cb:cb + sb].contiguous().view(torch.bfloat16)
             update = shared_plan.dequantize_mean(codes, scales, b, float(w))
+            update = torch.nan_to_num_(update, nan=0.0, posinf=0.0, neginf=0.0)
             vals = start[k_me:].float().add_(update).to(plan.dtype)
             torch._foreach_copy_([t.view(-1) for t in shared_full],
                                  list(vals.split([t.numel() for t in shared_full])))

@@ -140,6 +140,12 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
             connections close); one that hangs or stopped calling :meth:`step`
             makes the others raise after ``timeout`` seconds.
 
+    A bad step: entries whose exchanged value (or decoded update) is
+    non-finite, because a rank's subnet diverged, are not written; they keep
+    the round's start on every rank, so the full model stays finite and the
+    replicas identical (that rank's :meth:`step` returned the non-finite loss,
+    and the next round gives it a fresh subnet from the model).
+
     Reliability: every :meth:`synchronize` starts with one agreement
     all-reduce of 5 int64 counters (80 bytes, one host read per round, in
     ``stats.check_bytes``): joined, round, local step, steps taken, mid-round. Ranks that
@@ -411,11 +417,14 @@ class ISTTrainer(_ProtocolMixin, _RoundsMixin, _GradsMixin, _CheckpointMixin):
         synchronisation. Collective: all ranks must call it together.
 
         Cost (issue 12; ``tests/test_hot_path_ist.py``): no host sync, and a
-        number of dispatched ops that depends on the world size but not on the
-        number of layers or parameters (one pad, one ``all_gather``, one
-        ``scatter_slices_multi`` per rank, the shared-bias mean, one
+        number of dispatched ops that depends on the number of subnets but not
+        on the number of layers or parameters: one ``all_gather``; with exact
+        values a pad, one ``scatter_slices_multi`` per subnet (after the fp32
+        mean of its ranks when it has several), the shared tensors' mean; with
+        codes the round's start gathered, two ``quantize_chunks``, and per
+        subnet one ``dequantize_chunks_mean``, one gather and one scatter; one
         ``_foreach_copy_`` each for the shared tensors and the BatchNorm
-        counters), plus the repartition's (see :meth:`_begin_round`).
+        counters; plus the repartition's (see :meth:`_begin_round`).
         """
         self._check_usable()
         if self._local_step == 0:

@@ -207,6 +207,14 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
         return self._world_size
 
     @property
+    def subnets(self) -> int:
+        """Subnets per round: one per rank (``ISTTrainer(subnets=)`` has no GPT form)."""
+        return self._world_size
+
+    #: the exchange sends exact values (``ISTTrainer(exchange_bits=)`` has no GPT form)
+    exchange_bits = None
+
+    @property
     def round(self) -> int:
         """Index of the current round."""
         return self._round
@@ -443,17 +451,7 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
         mine = self.payload_numel(self._rank)
         with torch.no_grad():
             packed = self._subnet.flat   # the subnet's parameters ARE the payload
-            if w == 1:
-                gathered = packed.unsqueeze(0)
-            else:
-                send = torch.nn.functional.pad(packed, (0, width - mine))
-                gathered = packed.new_empty((w, width))
-                try:
-                    _comm.wait(_comm.all_gather(gathered.view(-1), send, self._pg, self._timeout),
-                               self._what(), self._timeout)
-                except CollectiveError as exc:   # nothing was written into the model
-                    self._failed = str(exc)
-                    raise
+            gathered = self._all_gather(packed, width)   # counts the wire bytes
             if not bool(torch.isfinite(gathered).all()):   # the same bytes on every rank
                 bad = [r for r in range(w) if not bool(torch.isfinite(gathered[r]).all())]
                 self._failed = (f"{self._what()}: the subnets of ranks {bad} hold non-finite values "
@@ -475,7 +473,6 @@ class GPTISTTrainer(_ProtocolMixin, _CheckpointMixin):
             ops.scatter_slices_multi(shared_full, nones, nones, acc)
         self._rounds += 1
         self._payload_bytes += mine * self._itemsize
-        self._wire_bytes += (w - 1) * width * self._itemsize
         self._local_step = 0
         self._round += 1
         self._begin_round()
