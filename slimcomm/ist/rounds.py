@@ -363,7 +363,7 @@ class _RoundsMixin:
         gathered = self._all_gather(send, width)
         for g, ranks in enumerate(self._members):
             cb, sb = nbytes(plans[g])
-            rows = gathered[g::self.subnets] if len(ranks) > 1 else gathered[ranks[0]:ranks[0] + 1]
+            rows = gathered[g::self.subnets]   # the subnet's ranks g, g + G, ... in rank order
             codes = rows[:, head:head + cb].contiguous()
             scales = rows[:, head + cb:head + cb + sb].contiguous().view(torch.bfloat16)
             update = plans[g].dequantize_mean(codes, scales, b, float(len(ranks)))
