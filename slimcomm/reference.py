@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "local_adamw_step",
     "score_of",
     "significance_topk",
     "significance_topk_segmented",
@@ -424,3 +425,25 @@ def dequantize_chunks_mean(packed, scales, seg_offsets, chunk, bits, numel, divi
     for r in range(packed.shape[0]):
         out += values[r]
     return out.div_(divisor)
+
+
+def local_adamw_step(param, grad, state, lr, betas, eps, weight_decay, world_size):
+    """One :class:`slimcomm.optim.LocalAdamW` step of one tensor, in float64, written out
+    formula by formula (the oracle of its ``_foreach`` implementation). ``state``: dict
+    with ``step`` (int) and float64 ``m``, ``v``, ``u`` (updated in place); returns the new
+    parameter (float64)."""
+    b1, b2 = betas
+    g = grad.double()
+    state["step"] += 1
+    t = state["step"]
+    state["m"] = b1 * state["m"] + (1 - b1) * g
+    state["v"] = b2 * state["v"] + (1 - b2) * g * g
+    m_hat = state["m"] / (1 - b1 ** t)
+    state["u"] = b2 * state["u"] + (1 - b2) * m_hat * m_hat
+    v_hat = state["v"] / (1 - b2 ** t)
+    u_hat = state["u"] / (1 - b2 ** t)
+    c = (1 - b1) / (1 + b1)
+    s2 = torch.clamp(v_hat - u_hat, min=0.0) / (1 - c)
+    v_w = torch.maximum(v_hat - (1 - 1 / world_size) * s2, v_hat / world_size)
+    p = param.double() * (1 - lr * weight_decay)
+    return p - lr * m_hat / (torch.sqrt(v_w) + eps)

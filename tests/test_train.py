@@ -495,6 +495,25 @@ def test_gpt_and_mlp_defaults():
     assert (a.lr, a.momentum, a.weight_decay, a.lr_schedule) == (1e-3, None, 0.1, "constant")
 
 
+def test_inner_optimizer_defaults_and_refusals():
+    def parse(*argv):
+        return T.apply_method_defaults(T.build_parser().parse_args(list(argv)))
+    assert parse("--model", "gpt", "--method", "slimdp-local").inner_optimizer == "local-adamw"
+    assert parse("--model", "gpt", "--method", "diloco").inner_optimizer == "adamw"
+    assert parse("--model", "gpt", "--method", "sparseloco").inner_optimizer == "adamw"
+    assert parse("--model", "gpt", "--method", "diloco", "--inner-optimizer", "local-adamw").inner_optimizer \
+        == "local-adamw"
+    assert parse("--method", "slimdp-local").inner_optimizer is None       # SGD: no inner AdamW
+    assert parse("--model", "gpt", "--method", "ddp").inner_optimizer is None
+    for argv in (["--model", "gpt", "--method", "ddp", "--inner-optimizer", "adamw"],
+                 ["--method", "slimdp-local", "--inner-optimizer", "local-adamw"],   # SGD
+                 ["--model", "gpt", "--method", "ist", "--inner-optimizer", "local-adamw"]):
+        with pytest.raises(SystemExit, match="--inner-optimizer"):
+            parse(*argv)
+    x = parse("--model", "gpt", "--method", "slimdp-local")
+    assert T.apply_method_defaults(argparse.Namespace(**vars(x))) == x   # idempotent
+
+
 def test_lr_factor():
     f = [T.lr_factor(s, 100, 10, "cosine", 0.1) for s in range(100)]
     assert f[:10] == [pytest.approx((s + 1) / 10) for s in range(10)]

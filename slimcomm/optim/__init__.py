@@ -81,6 +81,8 @@ The package, one job a module:
   on the host without a sync, the inner state reset, ``stats``;
 * :mod:`~slimcomm.optim.checkpoint` -- ``outer_weights()``, ``state_dict`` /
   ``load_state_dict``;
+* :mod:`~slimcomm.optim.local_adamw` -- :class:`LocalAdamW`: the inner AdamW that
+  normalises every rank's step by the second moment of the W-rank average gradient;
 * :mod:`~slimcomm.optim.sharded` -- FSDP2 / HSDP: ``DTensor`` parameters (the
   checks of the mesh and ``process_group``, the local shards, the
   ``torch.distributed.checkpoint`` form of ``state_dict``).
@@ -88,6 +90,7 @@ The package, one job a module:
 
 from .._comm import CollectiveError
 from .groups import COMPRESSIONS
+from .local_adamw import LocalAdamW
 from .optimizer import SlimDPOptimizer
 
-__all__ = ["SlimDPOptimizer", "COMPRESSIONS", "CollectiveError"]
+__all__ = ["SlimDPOptimizer", "LocalAdamW", "COMPRESSIONS", "CollectiveError"]

@@ -18,6 +18,7 @@ import math
 from typing import Any, Callable, Dict, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .args import SYNC_DEFAULTS
@@ -44,14 +45,29 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, schedule: str, fin
     return final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _data_parallel_size(args) -> int:
+    """Ranks whose updates an optimizer-side method averages: the replicate dimension of
+    ``--mesh R,S`` (R), else the world size."""
+    mesh = getattr(args, "mesh", None)
+    if mesh is not None:
+        return int(mesh[0])
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _make_optimizer(params, args, lr: Optional[float] = None) -> torch.optim.Optimizer:
-    """SGD (L2 on every parameter) or AdamW (decoupled decay on tensors with ndim >= 2 only)."""
+    """SGD (L2 on every parameter), AdamW (decoupled decay on tensors with ndim >= 2 only), or
+    with ``--inner-optimizer local-adamw`` :class:`slimcomm.optim.LocalAdamW` (the same groups)."""
     lr = args.lr if lr is None else lr
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
     params = list(params)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if getattr(args, "inner_optimizer", None) == "local-adamw":
+        from ..optim import LocalAdamW
+
+        return LocalAdamW([g for g in groups if g["params"]], lr=lr, betas=(args.beta1, args.beta2),
+                          world_size=_data_parallel_size(args))
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(args.beta1, args.beta2))
 
 
