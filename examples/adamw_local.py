@@ -6,7 +6,9 @@ Launch two ranks on this machine (gloo on CPU, NCCL when every rank has a GPU)::
 
 (with the virtual environment active, ``. .venv/bin/activate``, or as
 ``.venv/bin/torchrun ...``). It trains a small character-level GPT
-(``slimcomm.train.workloads.models.GPT``, 2 layers, 64-dim) with AdamW on this
+(``slimcomm.train.workloads.models.GPT``, 2 layers, 64-dim) with AdamW
+(``slimcomm.optim.LocalAdamW``: AdamW whose steps are normalised by the second
+moment of the average gradient of the ranks, not of this rank's) on this
 repository's own README and Python sources (so it needs no download), each
 rank on its own windows of the text, for ``--steps`` steps (about 20 s on 2
 CPU cores). Every 3 local AdamW steps the pseudo-gradients (outer parameters
@@ -18,7 +20,7 @@ saves one checkpoint per rank (the optimizer state holds this rank's
 residuals, AdamW moments and local parameters).
 
 No DDP wrapper: ``SlimDPOptimizer`` owns every collective. The slimcomm lines
-are the import, ``SlimDPOptimizer(model, inner, ...)``, ``opt.step()``,
+are the imports, ``LocalAdamW(..., world_size=world)``, ``SlimDPOptimizer(model, inner, ...)``, ``opt.step()``,
 ``opt.outer_weights()``, ``opt.stats`` and ``opt.state_dict()``.
 """
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slimcomm import SlimDPOptimizer
+from slimcomm.optim import LocalAdamW
 from slimcomm.train.workloads.models import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +85,8 @@ def main():
 
     torch.manual_seed(0)
     model = GPT(vocab_size=vocab, block_size=block, n_layer=2, n_embd=64, n_head=2).to(device)
-    inner = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    # LocalAdamW: AdamW normalised as if it saw the average gradient of the `world` ranks
+    inner = LocalAdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1, world_size=world)
     opt = SlimDPOptimizer(model, inner, sync_every=args.sync_every, compression="dense",
                           value_bits=2, outer_lr=1.4)
     if rank == 0:

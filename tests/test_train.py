@@ -512,6 +512,13 @@ def test_inner_optimizer_defaults_and_refusals():
             parse(*argv)
     x = parse("--model", "gpt", "--method", "slimdp-local")
     assert T.apply_method_defaults(argparse.Namespace(**vars(x))) == x   # idempotent
+    from slimcomm.optim import LocalAdamW
+    from slimcomm.train import methods as M
+    opt = M._make_optimizer(torch.nn.Linear(3, 2).parameters(), x)
+    assert isinstance(opt, LocalAdamW) and opt.world_size == 1            # no process group here
+    assert M._data_parallel_size(argparse.Namespace(mesh=(2, 3))) == 2    # HSDP: the replicas
+    assert type(M._make_optimizer(torch.nn.Linear(3, 2).parameters(),
+                                  parse("--model", "gpt", "--method", "diloco"))) is torch.optim.AdamW
 
 
 def test_lr_factor():

@@ -30,6 +30,12 @@ all-to-all, each owner decodes and averages its shard, adds its own residual
 and re-quantises, and the owners' codes are all-gathered, so each rank sends
 ``~2 (W-1)/W`` x one rank's code size at any world size ``W``.
 
+The inner optimizer for AdamW users is :class:`LocalAdamW` (``world_size`` = the ranks
+averaged): each rank's AdamW would otherwise normalise by the second moment of its own
+small batch, and its steps would be up to ``sqrt(W)`` times smaller than DDP's where the
+gradient noise dominates (measured: 1.093x DDP's loss at 8 ranks with AdamW, 1.016x with
+``LocalAdamW``; ``bench/results/adamw_8ranks_inner.md``).
+
 The same class gives the baselines: ``compression="dense"`` is DiLoCo (dense
 averaged pseudo-gradient, outer Nesterov SGD), ``compression="local"`` with
 ``error_decay < 1`` and plain outer SGD is SparseLoCo (Sarfi et al., arXiv
