@@ -7,7 +7,7 @@ Launch two ranks on this machine (gloo on CPU, NCCL when every rank has a GPU)::
 (with the virtual environment active, ``. .venv/bin/activate``, or as
 ``.venv/bin/torchrun ...``). It trains a small character-level GPT
 (``slimcomm.train.workloads.models.GPT``, 2 layers, 64-dim) with AdamW
-(``slimcomm.optim.LocalAdamW``: AdamW whose steps are normalised by the second
+(``slimcomm.LocalAdamW``: AdamW whose steps are normalised by the second
 moment of the average gradient of the ranks, not of this rank's) on this
 repository's own README and Python sources (so it needs no download), each
 rank on its own windows of the text, for ``--steps`` steps (about 20 s on 2
@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from slimcomm import SlimDPOptimizer
-from slimcomm.optim import LocalAdamW
+from slimcomm import LocalAdamW, SlimDPOptimizer
 from slimcomm.train.workloads.models import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -35,6 +35,7 @@ _LAZY = {
     "ISTTrainer": ("slimcomm.ist", "ISTTrainer"),
     "GPTISTTrainer": ("slimcomm.ist", "GPTISTTrainer"),
     "SlimDPOptimizer": ("slimcomm.optim", "SlimDPOptimizer"),
+    "LocalAdamW": ("slimcomm.optim", "LocalAdamW"),
     "SlimDPFSDPState": ("slimcomm.fsdp", "SlimDPFSDPState"),
     "register_slim_dp_hook": ("slimcomm.fsdp", "register_slim_dp_hook"),
 }
