@@ -87,7 +87,7 @@ def main():
     # LocalAdamW: AdamW normalised as if it saw the average gradient of the `world` ranks
     inner = LocalAdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1, world_size=world)
     opt = SlimDPOptimizer(model, inner, sync_every=args.sync_every, compression="dense",
-                          value_bits=2, outer_lr=1.4)
+                          value_bits=2, outer_lr=1.0)
     if rank == 0:
         print(f"{world} ranks on {device.type}, {sum(q.numel() for q in model.parameters()):,} "
               f"parameters, {len(train):,} training characters", flush=True)

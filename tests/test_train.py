@@ -498,7 +498,10 @@ def test_gpt_and_mlp_defaults():
 def test_inner_optimizer_defaults_and_refusals():
     def parse(*argv):
         return T.apply_method_defaults(T.build_parser().parse_args(list(argv)))
-    assert parse("--model", "gpt", "--method", "slimdp-local").inner_optimizer == "local-adamw"
+    sl = parse("--model", "gpt", "--method", "slimdp-local")
+    assert (sl.inner_optimizer, sl.outer_lr) == ("local-adamw", 1.0)     # plain average with LocalAdamW
+    assert parse("--model", "gpt", "--method", "slimdp-local", "--inner-optimizer", "adamw").outer_lr == 1.4
+    assert parse("--method", "slimdp-local").outer_lr == 1.4               # SGD
     assert parse("--model", "gpt", "--method", "diloco").inner_optimizer == "adamw"
     assert parse("--model", "gpt", "--method", "sparseloco").inner_optimizer == "adamw"
     assert parse("--model", "gpt", "--method", "diloco", "--inner-optimizer", "local-adamw").inner_optimizer \
