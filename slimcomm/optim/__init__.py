@@ -33,8 +33,8 @@ and re-quantises, and the owners' codes are all-gathered, so each rank sends
 The inner optimizer for AdamW users is :class:`LocalAdamW` (``world_size`` = the ranks
 averaged): each rank's AdamW would otherwise normalise by the second moment of its own
 small batch, and its steps would be up to ``sqrt(W)`` times smaller than DDP's where the
-gradient noise dominates (measured: 1.093x DDP's loss at 8 ranks with AdamW, 1.016x with
-``LocalAdamW``; ``bench/results/adamw_8ranks_inner.md``).
+gradient noise dominates (measured on a GPT at 8 ranks: 1.093x DDP's loss with AdamW, 1.018x
+with ``LocalAdamW`` and ``outer_lr=1.0``; ``bench/results/scale/gpt_8ranks_localadamw.md``).
 
 The same class gives the baselines: ``compression="dense"`` is DiLoCo (dense
 averaged pseudo-gradient, outer Nesterov SGD), ``compression="local"`` with
