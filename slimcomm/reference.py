@@ -442,8 +442,11 @@ def local_adamw_step(param, grad, state, lr, betas, eps, weight_decay, world_siz
     state["u"] = b2 * state["u"] + (1 - b2) * m_hat * m_hat
     v_hat = state["v"] / (1 - b2 ** t)
     u_hat = state["u"] / (1 - b2 ** t)
-    c = (1 - b1) / (1 + b1)
-    s2 = torch.clamp(v_hat - u_hat, min=0.0) / (1 - c)
-    v_w = torch.maximum(v_hat - (1 - 1 / world_size) * s2, v_hat / world_size)
+    if b1 > 0:
+        c = (1 - b1) / (1 + b1)
+        s2 = torch.clamp(v_hat - u_hat, min=0.0) / (1 - c)
+        v_w = torch.maximum(v_hat - (1 - 1 / world_size) * s2, v_hat / world_size)
+    else:  # no momentum: no estimate of the noise, AdamW's denominator
+        v_w = v_hat
     p = param.double() * (1 - lr * weight_decay)
     return p - lr * m_hat / (torch.sqrt(v_w) + eps)

@@ -56,6 +56,26 @@ def test_matches_the_float64_oracle(world_size, wd):
         torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
 
 
+def test_beta1_zero_is_adamw_at_any_world_size():
+    """No momentum, no noise estimate (c would be 1): the step is AdamW's, not a division by 0."""
+    a, b = _params(), _params()
+    o1 = LocalAdamW(a, lr=1e-2, betas=(0.0, 0.99), weight_decay=0.1, world_size=8)
+    o2 = torch.optim.AdamW(b, lr=1e-2, betas=(0.0, 0.99), weight_decay=0.1)
+    ref = [p.detach().double().clone() for p in a]
+    states = [dict(step=0, m=torch.zeros_like(r), v=torch.zeros_like(r), u=torch.zeros_like(r))
+              for r in ref]
+    for t in range(10):
+        for p, q, g in zip(a, b, _grads(a, t)):
+            p.grad, q.grad = g.clone(), g.clone()
+        o1.step()
+        o2.step()
+        for i, g in enumerate(_grads(a, t)):
+            ref[i] = reference.local_adamw_step(ref[i], g, states[i], 1e-2, (0.0, 0.99), 1e-8, 0.1, 8)
+    for p, q, r in zip(a, b, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.detach().double(), r, rtol=1e-5, atol=1e-6)
+
+
 def test_the_estimate_changes_the_step_where_noise_dominates():
     """At world size 8 the noise-dominated coordinates move further than AdamW moves them,
     the signal-dominated ones about as far (the test would pass for no-op code otherwise)."""

@@ -27,6 +27,9 @@ Adam's bias corrections, Kingma & Ba, arXiv 1412.6980): ``p <- p (1 - lr wd) - l
 floating-point rounding. Correlated noise or a drifting ``mu`` make ``u`` larger, hence
 ``s^2`` smaller: the estimate errs towards plain AdamW, never past ``v_hat / W``.
 
+With ``beta1 = 0`` there is no momentum to estimate the noise from (``u`` would equal ``v``):
+the step is then AdamW's at any ``world_size``.
+
 ``world_size`` is the number of ranks whose updates the outer step averages (the data-parallel
 world size; with HSDP the replicate dimension), not a property of the process group at
 step time: the optimizer issues no collective and needs no process group.
@@ -138,7 +141,7 @@ class LocalAdamW(torch.optim.Optimizer):
                 torch._foreach_mul_(us, b2)
                 torch._foreach_addcmul_(us, m_hat, m_hat, 1.0 - b2)
                 denom = torch._foreach_div(vs, bc2)             # v_hat
-                if w > 1.0:
+                if w > 1.0 and b1 > 0.0:   # beta1 = 0: m is g, u is v, nothing to tell noise by
                     s2 = torch._foreach_div(us, bc2)            # u_hat
                     torch._foreach_sub_(s2, denom)              # u_hat - v_hat = -(1 - c) s^2
                     torch._foreach_clamp_max_(s2, 0.0)
