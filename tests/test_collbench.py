@@ -79,8 +79,17 @@ def test_workers_time_real_gloo_collectives(tmp_path, mode):
 
 
 def test_calibrated_work_scales_with_the_gap():
-    a, b = collbench.calibrate_iters(20), collbench.calibrate_iters(80)
-    assert a > 0 and 2.5 < b / a < 6, (a, b)
+    # two 0.5 s throughput windows on a shared 2-core machine can differ by more than the
+    # bounds allow (one fresh-clone CI saw it): up to 3 tries; code that does not scale
+    # the work with the gap fails all of them
+    tries = []
+    for _ in range(3):
+        a, b = collbench.calibrate_iters(20), collbench.calibrate_iters(80)
+        tries.append((a, b))
+        if a > 0 and 2.5 < b / a < 6:
+            break
+    else:
+        raise AssertionError(f"iterations for 20 / 80 ms gaps: {tries}")
 
 
 def test_cli_refuses_bad_arguments():
