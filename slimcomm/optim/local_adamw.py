@@ -137,20 +137,22 @@ class LocalAdamW(torch.optim.Optimizer):
                 torch._foreach_lerp_(ms, gs, 1.0 - b1)
                 torch._foreach_mul_(vs, b2)
                 torch._foreach_addcmul_(vs, gs, gs, 1.0 - b2)
-                m_hat = torch._foreach_div(ms, bc1)
+                # m_hat = m / bc1 is folded into the scalars (no per-step copy of m)
                 torch._foreach_mul_(us, b2)
-                torch._foreach_addcmul_(us, m_hat, m_hat, 1.0 - b2)
-                denom = torch._foreach_div(vs, bc2)             # v_hat
+                torch._foreach_addcmul_(us, ms, ms, (1.0 - b2) / (bc1 * bc1))
+                denom = torch._foreach_div(vs, bc2)             # v_hat (temporaries: this and s2)
                 if w > 1.0 and b1 > 0.0:   # beta1 = 0: m is g, u is v, nothing to tell noise by
                     s2 = torch._foreach_div(us, bc2)            # u_hat
                     torch._foreach_sub_(s2, denom)              # u_hat - v_hat = -(1 - c) s^2
                     torch._foreach_clamp_max_(s2, 0.0)
-                    floor = torch._foreach_div(denom, w)
-                    torch._foreach_add_(denom, s2, alpha=(1.0 - 1.0 / w) / (1.0 - c))
-                    torch._foreach_maximum_(denom, floor)       # v_W
+                    # v_W = max(v_hat - (1 - 1/W) s^2, v_hat / W), in place in s2 and denom
+                    torch._foreach_mul_(s2, (1.0 - 1.0 / w) / (1.0 - c))
+                    torch._foreach_add_(s2, denom)
+                    torch._foreach_div_(denom, w)
+                    torch._foreach_maximum_(denom, s2)
                 torch._foreach_sqrt_(denom)
                 torch._foreach_add_(denom, eps)
                 if wd:
                     torch._foreach_mul_(ps, 1.0 - lr * wd)
-                torch._foreach_addcdiv_(ps, m_hat, denom, value=-lr)
+                torch._foreach_addcdiv_(ps, ms, denom, value=-lr / bc1)
         return loss
