@@ -49,7 +49,8 @@ gradient shard) plus a seeded explore set, packed, averaged over the replica
 group with one dense all-reduce of ``k + m`` values, error feedback of the
 rest; or ``index_mode="local"`` (per-rank top-k, all-gathered pairs); or,
 with ``value_bits``, low-bit codes (dense with ``core_ratio=1``). The first
-``warmup_steps`` steps are plain averaged all-reduces.
+``warmup_steps`` steps are plain averaged all-reduces (in ``value_dtype``
+when it is set).
 
 Invariants (the DDP hook's): the gradient shards, hence the parameter shards,
 stay identical across each replica group (every peer derives the same index
@@ -156,8 +157,8 @@ class SlimDPFSDPState(SlimDPCompressor):
       (Sec. 3.2). ``k + m >= n`` sends that shard densely; ``core_ratio=1``
       makes every step a plain averaged all-reduce (the dense baseline).
     * ``core_refresh`` (int >= 1, default 10): steps between core-set refreshes.
-    * ``warmup_steps`` (int >= 1, default 2): dense steps first (``G`` starts
-      from the dense average).
+    * ``warmup_steps`` (int >= 1, default 1): dense steps first (``G`` starts
+      from the dense average), in ``value_dtype`` when it is set.
     * ``score`` (``"product"``, ``"grad"``, ``"weight"``), ``index_mode``
       (``"shared"`` = Slim-DP, ``"local"`` = per-rank top-k with all-gathered
       (index, value) pairs), ``error_feedback`` (bool, default True),
@@ -220,7 +221,7 @@ class SlimDPFSDPState(SlimDPCompressor):
         core_ratio: float = 0.01,
         explore_ratio: float = 0.01,
         core_refresh: int = 10,
-        warmup_steps: int = 2,
+        warmup_steps: int = 1,
         score: str = "product",
         index_mode: str = "shared",
         error_feedback: bool = True,

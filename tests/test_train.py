@@ -282,7 +282,7 @@ def test_method_defaults(method, lr, momentum):
     args = T.apply_method_defaults(T.build_parser().parse_args(["--method", method]))
     assert (args.lr, args.momentum) == (lr, momentum)
     # the benchmark configuration is the default one: short warm-ups, bf16 wire, core refresh 10
-    assert (args.warmup_steps, args.powersgd_start_iter, args.value_dtype, args.core_refresh) == (2, 2, "bf16", 10)
+    assert (args.warmup_steps, args.powersgd_start_iter, args.value_dtype, args.core_refresh) == (1, 2, "bf16", 10)
     explicit = T.apply_method_defaults(T.build_parser().parse_args(["--method", method, "--lr", "0.3",
                                                                     "--momentum", "0.5"]))
     assert (explicit.lr, explicit.momentum) == (0.3, 0.5)

@@ -245,7 +245,9 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
                 (identical on every rank); ``None`` gathers the attached
                 tensors (only when the score needs them).
             warmup_dtype: wire dtype of the dense warm-up steps (default
-                ``buf``'s dtype: bit-identical to a plain averaged all-reduce).
+                ``value_dtype``, the compressed steps' wire dtype; with
+                ``value_dtype=None`` ``buf``'s dtype, bit-identical to a plain
+                averaged all-reduce).
             deferred: only for the two-stage low-bit all-reduce: the future then
                 holds ``decode(out)`` instead of ``buf`` (``buf`` is free again
                 when this call returns); other transports ignore it.
@@ -268,7 +270,8 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         world_size = dist.get_world_size(self.group)
         step = self.step
         if step < self.warmup_steps:
-            return _dense(self, layout, buf, world_size, warmup_dtype or buf.dtype)
+            return _dense(self, layout, buf, world_size,
+                          warmup_dtype or self.value_dtype or buf.dtype)
         with ops.trusted_indices():  # our own index sets: no host sync for CUDA value checks
             if self.delay_steps:
                 return _delayed(self, layout, buf, world_size, step, weight)

@@ -306,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explore set size / parameter numel (default: 0.01; sparseloco: 0)")
     g.add_argument("--core-refresh", type=_positive_int("--core-refresh"), default=10,
                    help="steps between core set refreshes (slimdp)")
-    g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 1), default=2,
-                   help="dense all-reduce steps first (>= 1: G starts from a dense average)")
+    g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 1), default=1,
+                   help="dense all-reduce steps first, in --value-dtype (>= 1: G starts from a dense average)")
     g.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="dtype of values on the wire")
     g.add_argument("--delay-steps", type=int, choices=(0, 1), default=None,
                    help="slimdp only: 1 applies each step's all-reduce one step later, so the collective "
