@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import _comm
+from ..agreement import max_min_across_ranks
 from .sharded import local
 
 COMPRESSIONS = ("shared", "local", "dense")
@@ -162,12 +163,19 @@ class _GroupsMixin:
         so its pseudo-gradient is still relative to where it started, and the outer
         copies (and frozen parameters) are rank 0's: weights loaded after
         construction, on every rank or on rank 0 only, give identical replicas.
-        Identical starts leave the parameters bit-identical. One broadcast per group,
-        once per run.
+        Identical starts leave the parameters bit-identical. Once per run: one small
+        checksum all-reduce (and a host read) first, and only where some rank's start
+        differs from rank 0's one broadcast per group (a full fp32 copy of the model
+        from rank 0 to every rank: at 8 ranks on 100 Mbit/s links ~10 s for 5.8M
+        parameters, which the usual identical start does not pay).
         """
         group, t = self.process_group, self.timeout
         what = f"{self._what()}: the broadcast of rank 0's starting point"
         with torch.no_grad():
+            frozen = [local(p) for _, p in self._frozen_named]
+            if _identical_across_ranks([g.outer for g in self._groups] + frozen, group, t):
+                self._adopt_start = False
+                return
             for g in self._groups:
                 g.scratch.copy_(g.outer)
                 _comm.wait(_comm.broadcast(g.outer, 0, group, t), what, t)
@@ -203,6 +211,25 @@ _FP16_TINY = float(torch.finfo(torch.float16).tiny)
 def _inner_size(inner: torch.optim.Optimizer):
     """(parameter groups, parameters) of ``inner``: O(groups)."""
     return len(inner.param_groups), sum(len(g["params"]) for g in inner.param_groups)
+
+
+def _identical_across_ranks(tensors: List[torch.Tensor], group,
+                            timeout: Optional[float]) -> bool:
+    """Whether every rank holds bit-identical ``tensors`` (same shapes on every rank):
+    three int64 sums of each tensor's bits (all, odd and every third 16-bit word),
+    compared across the ranks with one all-reduce of MAX ``[x, -x]``; one host read."""
+    if not tensors:
+        return True
+    sums = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        wide = flat.element_size() >= 2
+        b = flat.view(torch.int16 if wide else torch.uint8)
+        sums += [b.sum(dtype=torch.int64), b[1::2].sum(dtype=torch.int64),
+                 b[::3].sum(dtype=torch.int64)]
+    dev = tensors[0].device
+    hi, lo = max_min_across_ranks(torch.stack([x.to(dev) for x in sums]), group, timeout)
+    return bool(torch.equal(hi, lo))
 
 
 def _broadcast_flat(tensors: List[torch.Tensor], group, timeout: Optional[float],
