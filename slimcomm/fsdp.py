@@ -49,8 +49,8 @@ gradient shard) plus a seeded explore set, packed, averaged over the replica
 group with one dense all-reduce of ``k + m`` values, error feedback of the
 rest; or ``index_mode="local"`` (per-rank top-k, all-gathered pairs); or,
 with ``value_bits``, low-bit codes (dense with ``core_ratio=1``). The first
-``warmup_steps`` steps are plain averaged all-reduces (in ``value_dtype``
-when it is set).
+``warmup_steps`` steps are plain averaged all-reduces (in bf16 when
+``value_dtype`` is bf16).
 
 Invariants (the DDP hook's): the gradient shards, hence the parameter shards,
 stay identical across each replica group (every peer derives the same index
@@ -158,7 +158,7 @@ class SlimDPFSDPState(SlimDPCompressor):
       makes every step a plain averaged all-reduce (the dense baseline).
     * ``core_refresh`` (int >= 1, default 10): steps between core-set refreshes.
     * ``warmup_steps`` (int >= 1, default 1): dense steps first (``G`` starts
-      from the dense average), in ``value_dtype`` when it is set.
+      from the dense average), in bf16 when ``value_dtype`` is bf16.
     * ``score`` (``"product"``, ``"grad"``, ``"weight"``), ``index_mode``
       (``"shared"`` = Slim-DP, ``"local"`` = per-rank top-k with all-gathered
       (index, value) pairs), ``error_feedback`` (bool, default True),

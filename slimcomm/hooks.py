@@ -95,8 +95,8 @@ class SlimDPState(SlimDPCompressor):
       synchronised steps (the paper's snapshot period). Smaller follows the
       gradient better at the cost of one top-k per bucket per refresh.
     * ``warmup_steps`` (default 1, at least 1): the first steps are dense
-      all-reduce (in ``value_dtype`` when it is set, like DDP's
-      ``bf16_compress_hook``); ``G`` starts from the dense average. At least 1
+      all-reduce (in bf16 when ``value_dtype`` is bf16, like DDP's
+      ``bf16_compress_hook``; otherwise in the gradient's dtype); ``G`` starts from the dense average. At least 1
       so that ``G`` is known before the first core set is chosen; the state is
       kept per parameter, so DDP's rebuild of its buckets after the first
       iteration carries ``G`` over to the new buckets and 1 suffices. Each

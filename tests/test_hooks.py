@@ -153,12 +153,12 @@ class _Sim:
             n = p.numel()
             k, m, dense = selection_sizes(n, c["core_ratio"], c["explore_ratio"])
             g = [local[r][i] for r in range(ws)]
-            if t < c["warmup_steps"] and self.wire == self.dtype:
+            if t < c["warmup_steps"] and self.wire != torch.bfloat16:
                 avg = self._sum([x / ws for x in g]).to(self.dtype)
                 self.G[i] = avg.float()
                 out.append(avg.view_as(p))
                 continue
-            if dense or t < c["warmup_steps"]:  # the warm-up travels in value_dtype too
+            if dense or t < c["warmup_steps"]:  # the warm-up travels in a bf16 wire too
                 avg = self._sum([(x.float() / ws).to(self.wire) for x in g]).to(self.wire)
                 avg = avg.to(self.dtype)
                 self.G[i] = avg.float()

@@ -84,7 +84,9 @@ def _fp16_scaler_case(rank, attach, steps=300, wire=torch.float16):
     model = nn.Sequential(nn.Linear(D_IN, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
                           nn.Linear(128, D_OUT))
     ddp = DDP(model)
-    state = SlimDPState(core_ratio=0.01, explore_ratio=0.01, value_dtype=wire, model=ddp)
+    # warm-up 2 (the default until issue 31): the 1.25x tolerance below was set with it
+    state = SlimDPState(core_ratio=0.01, explore_ratio=0.01, value_dtype=wire, warmup_steps=2,
+                        model=ddp)
     scaler = torch.amp.GradScaler("cpu")
     if attach:
         state.attach_grad_scaler(scaler)

@@ -245,9 +245,9 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
                 (identical on every rank); ``None`` gathers the attached
                 tensors (only when the score needs them).
             warmup_dtype: wire dtype of the dense warm-up steps (default
-                ``value_dtype``, the compressed steps' wire dtype; with
-                ``value_dtype=None`` ``buf``'s dtype, bit-identical to a plain
-                averaged all-reduce).
+                bf16 when ``value_dtype`` is bf16, else ``buf``'s dtype,
+                bit-identical to a plain averaged all-reduce: fp16 has too
+                little range for raw or loss-scaled gradients).
             deferred: only for the two-stage low-bit all-reduce: the future then
                 holds ``decode(out)`` instead of ``buf`` (``buf`` is free again
                 when this call returns); other transports ignore it.
@@ -270,8 +270,10 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         world_size = dist.get_world_size(self.group)
         step = self.step
         if step < self.warmup_steps:
-            return _dense(self, layout, buf, world_size,
-                          warmup_dtype or self.value_dtype or buf.dtype)
+            # bf16 has fp32's range; an fp16 wire would overflow on raw (or loss-scaled)
+            # gradients without the compressed path's saturation, so it warms up exactly
+            wire = self.value_dtype if self.value_dtype == torch.bfloat16 else None
+            return _dense(self, layout, buf, world_size, warmup_dtype or wire or buf.dtype)
         with ops.trusted_indices():  # our own index sets: no host sync for CUDA value checks
             if self.delay_steps:
                 return _delayed(self, layout, buf, world_size, step, weight)

@@ -9,10 +9,10 @@ from ..layout import _Layout
 def _dense(state, layout, buf, world_size, wire_dtype):
     """Plain average; ``G`` <- the average (parameters whose average is finite).
 
-    With the wire dtype equal to the bucket's (``value_dtype=None``) this is
-    exactly DDP's default hook; with ``value_dtype`` bf16/fp16 the warm-up steps
-    travel in it, like DDP's ``bf16_compress_hook`` / ``fp16_compress_hook``
-    (the values are divided by the world size before the cast). After warm-up (shared index mode only; the
+    With the wire dtype equal to the bucket's this is exactly DDP's default
+    hook; with ``value_dtype`` bf16 the hooks' warm-up steps travel in bf16,
+    like DDP's ``bf16_compress_hook`` (the values are divided by the world size
+    before the cast). After warm-up (shared index mode only; the
     local mode averages dense groups with its own scatter-add, see
     :func:`.local._local`) the values travel in ``value_dtype`` like dense
     parameters inside mixed buckets do, so a dense parameter is averaged the
