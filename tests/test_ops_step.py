@@ -134,6 +134,50 @@ def test_step_encode_flags_across_chunks(bdt, pattern, threads, numels):
         assert torch.isnan(flags[2]) and (pattern == "inf_only" or torch.isnan(flags[0]))
 
 
+def _runs_layout(numels, rng, runs):
+    """Index sets as the compressor builds them: a core set ascending over the buffer, then
+    an explore set ascending (``runs=2``); ``runs=1``: the core set alone; ``runs=3``: the
+    explore set split in two, so not two ascending runs (the general path)."""
+    offsets = np.concatenate([[0], np.cumsum(numels)]).astype(np.int64)
+    core, explore = [], []
+    for s, n in enumerate(numels):
+        if not n:
+            continue
+        pick = offsets[s] + rng.choice(n, size=max(1, n // 30), replace=False)
+        core.append(np.sort(pick[: len(pick) // 2]))
+        explore.append(np.sort(pick[len(pick) // 2:]))
+    core, explore = np.concatenate(core), np.concatenate(explore)
+    parts = {1: [core], 2: [core, explore],
+             3: [core, explore[len(explore) // 2:], explore[: len(explore) // 2]]}[runs]
+    return torch.from_numpy(offsets), torch.from_numpy(np.concatenate(parts).astype(np.int64))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bdt,wdt", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
+                                     (torch.float16, torch.float32)])
+@pytest.mark.parametrize("clip", [None, 2.0])
+@pytest.mark.parametrize("runs", [1, 2, 3])
+def test_step_encode_streamed_index_runs(threads, bdt, wdt, clip, runs):
+    """Streamed buffers whose index set is one or two ascending runs (core set, then explore
+    set) pack the payload block by block inside the accumulate pass; any other order takes
+    the gather after it. Both equal the reference bit for bit, the fp16 saturation included
+    (clip 2.0 clips a good part of the values)."""
+    rng = np.random.default_rng(11 + runs)
+    offsets, idx = _runs_layout([700_001, 3, 450_002, 0, 40_000], rng, runs)
+    n = int(offsets[-1])
+    buf = _values(n, bdt, rng)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (w1, a1), (w2, a2) = _encode_both(buf, idx, offsets, 4, wdt, True, None, 1.0, True,
+                                          clip, rng)
+    finally:
+        torch.set_num_threads(before)
+    _same(w1, w2, "wire")
+    _same(a1, a2, "acc")
+    assert bool((a1[idx] != 0).any()) == (clip is not None)  # clipped parts stay in the residual
+
+
 def _commit_case(bdt, wdt, pattern, rng, numels=(0, 5, 1, 40, 17, 0, 300)):
     offsets, idx = _layout(list(numels), rng)
     n, k, S = int(offsets[-1]), idx.numel(), len(numels)
@@ -171,6 +215,43 @@ def test_step_commit_matches_reference(bdt, wdt, pattern, keep_all_zero, full):
         outs.append((buf, G, acc, cnt, old, void))
     for name, a, b in zip(("buf", "G", "acc", "counter", "old_g", "void"), *outs):
         _same(a, b, name)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bdt,wdt", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                     (torch.float16, torch.float16)])
+@pytest.mark.parametrize("keep_all_zero", [False, True])
+@pytest.mark.parametrize("runs", [1, 2, 3])
+def test_step_commit_streamed_index_runs(threads, bdt, wdt, keep_all_zero, runs):
+    """Streamed buffers whose index set is one or two ascending runs build each block of a
+    kept segment (zeros, then its values) in L1; any other order scatters into a zero fill.
+    Both equal the reference bit for bit, with segments that are kept, flagged NaN (filled)
+    and exactly zero (kept or filled under keep_all_zero), and a non-finite value."""
+    rng = np.random.default_rng(23 + runs)
+    numels = [700_001, 3, 450_002, 0, 40_000]
+    offsets, idx = _runs_layout(numels, rng, runs)
+    n, k, S = int(offsets[-1]), idx.numel(), len(numels)
+    vals = torch.from_numpy(rng.standard_normal(k).astype(np.float32))
+    flags = torch.tensor([2.0, float("nan"), 1.0, 0.0, 0.0])
+    seg = torch.searchsorted(offsets, idx, right=True) - 1
+    vals[(seg == 4).nonzero()[0, 0]] = float("inf")  # segment 4 not good
+    avg = torch.cat([vals, flags]).to(wdt)
+    buf0 = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(bdt)
+    G0, acc0, res0 = (torch.from_numpy(rng.standard_normal(n).astype(np.float32)) for _ in range(3))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    outs = []
+    try:
+        for impl in (ops.step_commit, ref.step_commit):
+            buf, G, acc, cnt = buf0.clone(), G0.clone(), acc0.clone(), torch.zeros(2, dtype=torch.int64)
+            old, void = impl(buf, idx, offsets, avg, cnt, G=G, acc=acc, residual=res0,
+                             keep_all_zero=keep_all_zero, return_old_g=True)
+            outs.append((buf, G, acc, cnt, old, void))
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("buf", "G", "acc", "counter", "old_g", "void"), *outs):
+        _same(a, b, name)
+    assert outs[0][0][idx[seg == 0]].ne(0).any() and outs[0][0][offsets[2]:offsets[3]].eq(0).any()
 
 
 @pytest.mark.parametrize("bdt,wdt", list(itertools.product(DTYPES, DTYPES)))

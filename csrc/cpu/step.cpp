@@ -90,10 +90,43 @@ inline void stream_store(float* dst, const float* src, int64_t n) {
 #endif
 }
 
+// dst[0, n) = src[0, n) bytes, streaming stores on the 16-byte aligned part (any value
+// dtype); the same fence rule as stream_store.
+inline void stream_bytes(void* dst, const void* src, size_t n) {
+#if defined(__SSE2__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  size_t head = (16u - (reinterpret_cast<uintptr_t>(d) & 15u)) & 15u;
+  head = std::min(head, n);
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  for (; n >= 16; n -= 16, d += 16, s += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  std::memcpy(d, s, n);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
 inline void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
 #endif
+}
+
+// Where indices p[0, k) split into two strictly ascending runs [0, split) and [split, k)
+// (the compressor's index set: the core set, then the explore set, each ascending):
+// split = k for one run; -1 when there are more than two.
+int64_t two_ascending_runs(const int64_t* p, int64_t k) {
+  int64_t split = k;
+  for (int64_t j = 1; j < k; ++j) {
+    if (p[j] <= p[j - 1]) {
+      if (split != k) return -1;
+      split = j;
+    }
+  }
+  return split;
 }
 
 // ---------------------------------------------------------------------------
@@ -131,6 +164,23 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
   const int64_t* pi = idx.data_ptr<int64_t>();
   at::Tensor wire = at::empty({k + S}, buf.options().dtype(wire_dtype));
   float* acc = has_acc ? acc_opt->data_ptr<float>() : nullptr;
+  const float ws = static_cast<float>(world_size);
+  const float lim = clip.has_value() ? static_cast<float>(*clip) : 0.f;
+  // payload v = acc[i] / ws of index j (fp16 saturation: sent part, the rest kept in acc)
+  auto pack_one = [&](float a, float& kept) {
+    const float v = a / ws;
+    float sent = v;
+    kept = 0.f;
+    if (clip.has_value()) {
+      sent = step::clamp_sym(v, lim);
+      kept = (v - sent) * ws;
+    }
+    return sent;
+  };
+  // Streamed pass with the index set as two ascending runs: step 3 is done on each block
+  // while it is in L1, instead of a gather from the streamed-out accumulator afterwards
+  // (one cache miss per index).
+  bool packed = false;
 
   // 1. acc = buf + error_decay * scale * residual. Only the plain sum is done here, in the
   // same pass as the flags of step 2; the other forms run the ATen op the unfused path
@@ -149,9 +199,14 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
       std::vector<float> seg_nan(static_cast<size_t>(S), 0.f);
       std::mutex mu;
       const bool stream = N >= kStreamMin;
+      const int64_t split = stream ? two_ascending_runs(pi, k) : -1;
+      packed = split >= 0;
       dispatch_value(buf.scalar_type(), [&](auto* tag) {
         using T = std::remove_pointer_t<decltype(tag)>;
         const T* pb = buf.data_ptr<T>();
+        dispatch_value(packed ? wire_dtype : at::kFloat, [&](auto* wtag) {
+        using W = std::remove_pointer_t<decltype(wtag)>;
+        W* pw = static_cast<W*>(wire.data_ptr());  // only written when packed (W = wire dtype)
         for_each_segment_range(o, S, N, [&](int64_t s, int64_t lo, int64_t hi) {
           // Local restrict pointers: through the lambda's captured references the compiler
           // cannot rule out that a store to acc changes them, and would not vectorise.
@@ -171,6 +226,9 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
             }
           } else {
             alignas(64) float blk[kBlock];
+            // cursors of the two runs at the first index >= lo
+            int64_t ja = packed ? std::lower_bound(pi, pi + split, lo) - pi : 0;
+            int64_t jb = packed ? std::lower_bound(pi + split, pi + k, lo) - pi : 0;
             for (int64_t e0 = lo; e0 < hi; e0 += kBlock) {
               const int64_t len = std::min(kBlock, hi - e0);
               float* __restrict t = blk;
@@ -182,6 +240,18 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
                 m = a > m ? a : m;
                 z += x * 0.f;
               }
+              if (packed) {
+                const int64_t e1 = e0 + len;
+                float kept;
+                for (; ja < split && pi[ja] < e1; ++ja) {
+                  pw[ja] = static_cast<W>(pack_one(blk[pi[ja] - e0], kept));
+                  blk[pi[ja] - e0] = kept;
+                }
+                for (; jb < k && pi[jb] < e1; ++jb) {
+                  pw[jb] = static_cast<W>(pack_one(blk[pi[jb] - e0], kept));
+                  blk[pi[jb] - e0] = kept;
+                }
+              }
               stream_store(out + e0, blk, len);
             }
             stream_fence();  // on the thread that stored, before the chunk's join
@@ -189,6 +259,7 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
           std::lock_guard<std::mutex> lock(mu);
           seg_max[s] = std::max(seg_max[s], m);
           seg_nan[s] += z;
+        });
         });
       });
       for (int64_t s = 0; s < S; ++s)
@@ -204,8 +275,6 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
         if (o[s + 1] > o[s]) seg_max[s] = at::amax(at::abs(buf.slice(0, o[s], o[s + 1]))).item<float>();
     });
   }
-  const float ws = static_cast<float>(world_size);
-  const float lim = clip.has_value() ? static_cast<float>(*clip) : 0.f;
   dispatch_value(buf.scalar_type(), [&](auto* btag) {
     using T = std::remove_pointer_t<decltype(btag)>;
     const T* pb = buf.data_ptr<T>();
@@ -214,17 +283,14 @@ at::Tensor step_encode_cpu(const at::Tensor& buf, const at::Tensor& indices,
       W* pw = wire.data_ptr<W>();
       // 2. flags of buf per segment: flag_of_max(max |x|), NaN if any x is NaN or inf.
       for (int64_t s = 0; s < S; ++s) pw[k + s] = static_cast<W>(step::flag_of_max(seg_max[s]));
-      // 3. payload and the sent coordinates of the residual-to-be.
+      // 3. payload and the sent coordinates of the residual-to-be (done in the pass above
+      // when packed).
+      if (packed) return;
       at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
         for (int64_t j = a; j < b; ++j) {
           const int64_t i = pi[j];
-          const float v = (acc ? acc[i] : static_cast<float>(pb[i])) / ws;
-          float sent = v, kept = 0.f;
-          if (clip.has_value()) {
-            sent = step::clamp_sym(v, lim);
-            kept = (v - sent) * ws;
-          }
-          pw[j] = static_cast<W>(sent);
+          float kept;
+          pw[j] = static_cast<W>(pack_one(acc ? acc[i] : static_cast<float>(pb[i]), kept));
           if (acc) acc[i] = kept;
         }
       });
@@ -350,12 +416,34 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cpu(
       std::vector<int> dec(S);
       std::vector<T> fill(S);
       bad = decide_all(fl.data(), nonfinite, keep_all_zero, dec, fill);
-      apply_segments(pb, pacc, pres, o, S, N, dec, fill, /*zero_kept=*/true);
+      // Large buffers with the index set as two ascending runs (core, explore): each block
+      // of a kept segment is built in L1 (zeros, then its values) and streamed out, where
+      // a streamed zero fill followed by the scattered values would read back every cache
+      // line a value lands in.
+      const int64_t split = pb && N >= kStreamMin ? two_ascending_runs(pi, k) : -1;
+      const bool packed = split >= 0;
+      apply_segments(pb, pacc, pres, o, S, N, dec, fill, /*zero_kept=*/!packed);
+      if (packed) {
+        for_each_segment_range(o, S, N, [&](int64_t s, int64_t lo, int64_t hi) {
+          if (!(dec[s] & 1)) return;
+          alignas(64) T blk[kBlock];
+          int64_t ja = std::lower_bound(pi, pi + split, lo) - pi;
+          int64_t jb = std::lower_bound(pi + split, pi + k, lo) - pi;
+          for (int64_t e0 = lo; e0 < hi; e0 += kBlock) {
+            const int64_t len = std::min(kBlock, hi - e0), e1 = e0 + len;
+            std::memset(blk, 0, static_cast<size_t>(len) * sizeof(T));  // +0 in every dtype
+            for (; ja < split && pi[ja] < e1; ++ja) blk[pi[ja] - e0] = static_cast<T>(pa[ja]);
+            for (; jb < k && pi[jb] < e1; ++jb) blk[pi[jb] - e0] = static_cast<T>(pa[jb]);
+            stream_bytes(pb + e0, blk, static_cast<size_t>(len) * sizeof(T));
+          }
+          stream_fence();
+        });
+      }
       at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
         for (int64_t j = a; j < b; ++j) {
           const int64_t i = pi[j];
           const int d = dec[seg[j]];
-          if (pb && (d & 1)) pb[i] = static_cast<T>(pa[j]);
+          if (pb && !packed && (d & 1)) pb[i] = static_cast<T>(pa[j]);
           if (pg) {
             const float old = pg[i];
             if (pold) pold[j] = old;

@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu uses gloo, cuda uses NCCL")
     g.add_argument("--threads", type=_positive_int("--threads"), default=None,
                    help="torch intra-op threads per rank (default: CPU cores / local ranks)")
+    g.add_argument("--comm-thread-priority", choices=("normal", "low", "idle"), default="idle",
+                   help="scheduling priority of gloo's event-loop threads (slimcomm.train.comm_threads): "
+                        "they busy-poll while a peer's bytes wait for this rank to enter the collective, "
+                        "which on ranks sharing cores takes the CPU of the late rank's step; idle: "
+                        "SCHED_IDLE, low: nice 19, normal: unchanged (default: idle)")
     g.add_argument("--timeout", type=_positive_float("--timeout"), default=600.0,
                    help="seconds a collective may wait before the job fails")
     g.add_argument("--link-times", type=_link_rates, default=None, metavar="RATES",

@@ -34,6 +34,7 @@ from .workloads import text as text_mod
 from ..agreement import agree_across_ranks
 from .report import RESULT_FORMAT, compare_table, compute_config_key, plot_results, setting_summary
 from .wire import WireCounter
+from .comm_threads import set_comm_thread_priority
 from . import projection as train_projection
 from .args import _resolve_launch, apply_method_defaults, build_parser, log_level, setup_logging
 from .methods import _Method
@@ -96,6 +97,7 @@ def _worker(rank: int, args: argparse.Namespace, init_method: str) -> Optional[D
         backend = "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=args.timeout))
+    set_comm_thread_priority(args.comm_thread_priority)
     try:
         result = _train(rank, world_size, args, device, backend)
         # every rank is done with its collectives before any rank tears the group down (a rank
@@ -132,6 +134,7 @@ def _train(rank, world_size, args, device, backend):
     # over 100 Mbit/s, seconds apart); without this the wait lands in the first
     # synchronisation and is charged to whichever training step holds it.
     _agree(err, fp, device)
+    set_comm_thread_priority(args.comm_thread_priority)  # the loop threads of groups made since
     if rank == 0 and method.sync_optimizer and task.total_steps < (args.sync_every or 1):
         log.warning("%s: --sync-every %d is more than the %d training steps: the ranks never synchronise "
                     "and the outer model stays at its initial weights", args.method, args.sync_every,
