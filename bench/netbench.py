@@ -563,6 +563,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"batch {cfg['batch_size']} per rank, "
         f"{str(cfg['epochs']) + ' epochs' if cfg.get('epochs') is not None else str(cfg.get('steps')) + ' steps'}, "
         f"evaluation every {cfg['eval_every'] or 'epoch'} steps, {threads} thread(s) per rank, "
+        f"{_loop_priority(results)}, "
         + (f"time budget {a.time_budget:g} s of training per run (runs stop at the first evaluation past it; "
            f"projected rows are cut at it), " if a.time_budget else "") +
         f"{'seeds ' + ', '.join(map(str, seeds)) + ' (medians)' if seeds[0] is not None else 'seed %d' % cfg['seed']}.\n"
@@ -584,6 +585,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(md)
     print(f"[netbench] wrote {md_path} and {png_path}")
     return 0
+
+
+def _loop_priority(results) -> str:
+    """The heading's note of the gloo loop threads' priority (``--comm-thread-priority``;
+    runs made before the option were ``normal``), per method where the runs differ."""
+    per = {}
+    for by_method in results.values():
+        for m, runs in by_method.items():
+            for r in runs:
+                per.setdefault(m, set()).add(r["config"].get("comm_thread_priority", "normal"))
+    every = set().union(*per.values()) if per else {"normal"}
+    if len(every) == 1:
+        return f"gloo loop threads {every.pop()} (--comm-thread-priority)"
+    return "gloo loop threads (--comm-thread-priority): " + ", ".join(
+        f"{m} {'/'.join(sorted(p))}" for m, p in per.items())
 
 
 def _topology(a) -> str:
@@ -612,7 +628,7 @@ def _finish_lm(results, measured, a, argv, train_args, threads, seeds, name) -> 
         f"(warm-up {cfg['warmup_lr_steps']}, cosine to {cfg['min_lr']:g}), betas ({cfg['beta1']}, {cfg['beta2']}), "
         f"weight decay {cfg['weight_decay']}, clip {cfg['grad_clip']}; validation loss every {cfg['eval_every']} steps "
         f"on {cfg['val_batches']} fixed batches (local-step methods: the outer parameters); "
-        f"{threads} thread(s) per rank; "
+        f"{threads} thread(s) per rank, {_loop_priority(results)}; "
         f"{'seeds ' + ', '.join(map(str, seeds)) + ' (medians)' if seeds[0] is not None else 'seed %d' % cfg['seed']}.\n"
         f"Method settings: {flags}.\n"
         f"Time = training wall time (evaluation excluded); time to target = the first evaluation at or below "
