@@ -83,6 +83,8 @@ TORCH_LIBRARY(slimcomm, m) {
         "Tensor(b!) counter, Tensor(c!)? G=None, Tensor(d!)? acc=None, Tensor? residual=None, "
         "Tensor? scale=None, bool keep_all_zero=False, bool return_old_g=False, "
         "Tensor? void_in=None, bool write_buf=True) -> (Tensor, Tensor)");
+  m.def("sgd_apply_indexed(Tensor(a!)[] params, Tensor indices, Tensor offsets, Tensor avg, "
+        "float lr, bool keep_all_zero=False) -> ()");
   m.def("step_commit_local(Tensor(a!) buf, Tensor all_indices, Tensor all_values, "
         "Tensor offsets, int world_size, Tensor(b!) counter, Tensor(c!)? acc=None, "
         "Tensor? residual=None, bool keep_all_zero=False, Tensor? void_in=None) -> Tensor");
@@ -104,7 +106,7 @@ TORCH_LIBRARY_IMPL(slimcomm, CUDA, m) {
                            "explore_sample_segmented", "pack", "unpack", "gather_slices",
                            "scatter_slices", "gather_slices_multi", "scatter_slices_multi",
                            "step_encode", "step_commit", "step_commit_local", "step_undo",
-                           "quantize_chunks", "dequantize_chunks_mean"}) {
+                           "sgd_apply_indexed", "quantize_chunks", "dequantize_chunks_mean"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
   }
 }

@@ -119,3 +119,39 @@ SLIMCOMM_HD int decide(float fl, bool values_finite, bool keep_all_zero) {
 
 }  // namespace step
 }  // namespace slimcomm
+
+namespace slimcomm {
+namespace step {
+
+// sgd_apply_indexed: params (one per segment, S of them) must be defined, of one value
+// dtype, dense and non-overlapping (memory order is the bucket's order), on indices'
+// device; avg holds k + S values (values then flags). Returns N = total numel.
+inline int64_t check_sgd_params(const char* op, at::TensorList params, const at::Tensor& indices,
+                                const at::Tensor& offsets, const at::Tensor& avg) {
+  check_index_tensor(op, "indices", indices);
+  const int64_t S = check_offsets(op, offsets, indices, "indices");
+  SLIMCOMM_CHECK(static_cast<int64_t>(params.size()) == S, op, "params",
+                 "must hold one tensor per segment (S = ", S, " = len(offsets) - 1), got ",
+                 params.size());
+  check_values(op, "avg", avg);
+  check_same(op, "avg", avg, "indices", indices, false);
+  SLIMCOMM_CHECK(avg.numel() == indices.numel() + S, op, "avg", "must hold len(indices) + S = ",
+                 indices.numel() + S, " elements (values then flags), got ", avg.numel());
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const at::Tensor& p = params[s];
+    SLIMCOMM_CHECK(p.defined(), op, "params", "entry ", s, " is undefined");
+    SLIMCOMM_CHECK(is_value_dtype(p.scalar_type()) && p.scalar_type() == params[0].scalar_type(),
+                   op, "params", "must all be of one dtype among float32/float16/bfloat16; entry ",
+                   s, " is ", p.scalar_type(), ", entry 0 ", params[0].scalar_type());
+    SLIMCOMM_CHECK(p.is_non_overlapping_and_dense(), op, "params", "entry ", s,
+                   " must be dense and non-overlapping (its memory order is its order in the "
+                   "bucket)");
+    check_same(op, "params", p, "indices", indices, false);
+    n += p.numel();
+  }
+  return n;
+}
+
+}  // namespace step
+}  // namespace slimcomm

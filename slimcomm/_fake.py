@@ -87,6 +87,11 @@ def _(buf, indices, offsets, avg, counter, G=None, acc=None, residual=None, scal
     return buf.new_empty((k,), dtype=torch.float32), buf.new_empty((), dtype=torch.bool)
 
 
+@torch.library.register_fake("slimcomm::sgd_apply_indexed")
+def _(params, indices, offsets, avg, lr, keep_all_zero=False):
+    return None
+
+
 @torch.library.register_fake("slimcomm::step_commit_local")
 def _(buf, all_indices, all_values, offsets, world_size, counter, acc=None, residual=None,
       keep_all_zero=False, void_in=None):

@@ -158,6 +158,51 @@ def step_commit(
                             keep_all_zero, return_old_g, void_in, write_buf)
 
 
+def sgd_apply_indexed(
+    params: Sequence[torch.Tensor],
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    avg: torch.Tensor,
+    lr: float,
+    keep_all_zero: bool = False,
+) -> None:
+    """Plain SGD at a shared index set, straight from the all-reduced payload, in place.
+
+    The optimizer half of a fused Slim-DP step (``SlimDPState.fuse_sgd``): where
+    :func:`step_commit` would write the bucket (zeros with the averaged values at
+    ``indices``) and ``torch.optim.SGD`` (no momentum, no weight decay) would then
+    make a dense pass over that mostly-zero gradient, this writes the ``k`` updated
+    parameter values only. Per segment ``s`` the decision of :func:`step_commit`
+    (same ``avg``, same ``keep_all_zero``, values cast to the parameters' dtype):
+    in a *good* segment every ``param_s.flat[i - offsets[s]]`` with ``indices[j] =
+    i`` in ``s`` becomes ``fma(g, -lr, param)`` with ``g = avg[j]`` cast to the
+    parameters' dtype, computed in fp32 and rounded to the parameters' dtype (what
+    ``param.add_(grad, alpha=-lr)`` computes on its vectorised path); a segment that
+    is not good (non-finite on some rank, or unused by every rank under
+    ``keep_all_zero``) is left unchanged. ``flat`` is the parameter's memory order,
+    which is its gradient's order in a DDP bucket.
+
+    Args:
+        params: ``S`` tensors (one per segment), one dtype among fp32/fp16/bf16,
+            each dense and non-overlapping, ``params[s].numel() == offsets[s+1] -
+            offsets[s]``, on ``indices``' device; updated in place (no autograd
+            record, no version bump: call it on leaf parameters under no_grad,
+            like an optimizer).
+        indices: 1-D int64 ``[k]`` bucket-flat, unique.
+        offsets: 1-D int64 ``[S + 1]``.
+        avg: ``[k + S]`` fp32/fp16/bf16, the summed payload ``[values | flags]`` of
+            :func:`step_encode` (values already divided by the world size).
+        lr: the learning rate (cast to fp32 like torch's ``alpha``).
+        keep_all_zero: the policy of :func:`step_commit`.
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or devices, a parameter whose size does
+            not match its segment, an index out of range or malformed ``offsets``
+            (CPU); the message names the argument.
+    """
+    _ops.sgd_apply_indexed(list(params), indices, offsets, avg, float(lr), keep_all_zero)
+
+
 def step_commit_local(
     buf: torch.Tensor,
     all_indices: torch.Tensor,

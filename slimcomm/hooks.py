@@ -192,7 +192,7 @@ class SlimDPState(SlimDPCompressor):
         ValueError: a hyperparameter out of range (the message names it).
     """
 
-    __slots__ = ()
+    __slots__ = ("_fused",)  # _FusedSGD of fuse_sgd, or None
     _KEEP_ALL_ZERO = True          # DDP discards the result of a parameter no rank used
     _VOID_NONFINITE_STEP = True    # a GradScaler skips the whole step
     _DELAY_OK = True               # delay_steps=1: the average handed to DDP one step later
@@ -225,6 +225,7 @@ class SlimDPState(SlimDPCompressor):
             index_mode=index_mode, error_feedback=error_feedback, error_decay=error_decay,
             value_dtype=value_dtype, seed=seed, check_agreement_every=check_agreement_every,
             delay_steps=delay_steps)
+        self._fused = None
         if model is not None:
             self.attach(model)
 
@@ -263,6 +264,73 @@ class SlimDPState(SlimDPCompressor):
                 "delay_steps=0")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         return self.attach_parameters(list(module.named_parameters()))
+
+    def fuse_sgd(self, optimizer: Optional[torch.optim.Optimizer]) -> "SlimDPState":
+        """Apply plain SGD inside the hook, at the index set only (a fused optimizer step).
+
+        With ``torch.optim.SGD`` without momentum or weight decay (the setting Slim-DP's
+        error feedback is run with here: momentum on top of error feedback over-shoots,
+        ``../shared/FINDINGS.md``), a compressed step changes only the ``k + m`` sent
+        coordinates of each parameter, yet the unfused step writes the whole bucket
+        (zeros plus the averaged values) and ``optimizer.step()`` then reads it and
+        rewrites every parameter: two dense passes over a gradient that is ~98% zeros.
+        Fused, each compressed bucket's completion applies ``param[i] = fma(avg_i, -lr,
+        param[i])`` at the index set (:func:`slimcomm.ops.sgd_apply_indexed`, the
+        rounding of ``param.add_(grad, alpha=-lr)``) and leaves the bucket as it was;
+        the next ``optimizer.step()`` skips those parameters and steps the others as
+        usual: the dense warm-up steps, buckets of dense parameters only, parameters the
+        hook never synchronised. A parameter that is non-finite on some rank is left
+        unchanged (unfused it would become NaN) and counted in ``stats()``.
+
+        The training loop stays ``zero_grad(); loss.backward(); optimizer.step()`` and an
+        lr scheduler keeps working (the lr is read from the optimizer at every step).
+        What changes: after ``backward()`` the ``.grad`` of a fused parameter holds this
+        rank's own gradient, not the average, and the update has already been applied,
+        so gradient clipping or any other edit of ``.grad`` before ``step()`` has no
+        effect on it; do not fuse when the loop clips or reads gradients.
+
+        Args:
+            optimizer: a ``torch.optim.SGD`` over the attached model's parameters, every
+                group with ``momentum=0, dampening=0, weight_decay=0, nesterov=False,
+                maximize=False`` and a float lr (the parameters of one bucket sharing
+                one lr); ``None`` undoes a previous call.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: the state is not attached.
+            TypeError: ``optimizer`` is not a ``torch.optim.SGD``.
+            ValueError: a group's setting is not plain SGD, its lr is a tensor, the
+                optimizer does not hold every attached parameter, ``index_mode`` is not
+                ``"shared"``, ``delay_steps=1``, or a GradScaler is attached. The
+                settings are checked again at every step (a ValueError from the hook).
+        """
+        from ._fused_sgd import _FusedSGD
+
+        if self._fused is not None:
+            self._fused.remove()
+            self._fused = None
+        if optimizer is None:
+            return self
+        if not self._params:
+            raise RuntimeError("SlimDPState.fuse_sgd: attach(model) first")
+        if self.index_mode != "shared":
+            raise ValueError(f"SlimDPState.fuse_sgd: index_mode={self.index_mode!r}; the fused "
+                             f"step needs the shared index set (index_mode='shared')")
+        if self.delay_steps:
+            raise ValueError("SlimDPState.fuse_sgd: delay_steps=1 hands DDP the previous "
+                             "step's average; the fused step needs delay_steps=0")
+        if self._scaler is not None:
+            raise ValueError("SlimDPState.fuse_sgd: a GradScaler is attached; its skip of an "
+                             "overflowing step would come after the fused update")
+        self._fused = _FusedSGD(optimizer, dict(enumerate(self._params)))
+        return self
+
+    def _fused_sgd(self, layout):
+        if self._fused is None:
+            return None
+        return self._fused.for_layout(tuple(layout.positions))
 
     def _bucket_key(self, bucket: dist.GradBucket) -> Tuple[int, ...]:
         """Positions of the bucket's parameters; RuntimeError if foreign."""

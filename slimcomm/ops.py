@@ -39,7 +39,8 @@ from . import _C  # noqa: F401  (loads the kernel library and registers the ops)
 from . import _fake  # noqa: F401  (registers the fake kernels torch.compile traces with)
 from ._fake import _block_shape
 from ._step_ops import (CODEC_BITS, chunk_count, dequantize_chunks_mean, quantize_chunks,  # noqa: F401
-                        step_commit, step_commit_local, step_encode, step_undo)
+                        sgd_apply_indexed, step_commit, step_commit_local, step_encode,
+                        step_undo)
 
 __all__ = [
     "SCORES",

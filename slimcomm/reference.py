@@ -32,6 +32,7 @@ __all__ = [
     "step_commit",
     "step_commit_local",
     "step_undo",
+    "sgd_apply_indexed",
     "quantize_chunks",
     "dequantize_chunks_mean",
 ]
@@ -302,6 +303,31 @@ def step_commit(buf, indices, offsets, avg, counter, G=None, acc=None, residual=
     if void_in is not None:
         void = void | void_in.reshape(())
     return old_g, void
+
+
+def sgd_apply_indexed(params, indices, offsets, avg, lr, keep_all_zero=False):
+    S = len(params)
+    if S == 0:
+        return
+    k = indices.numel()
+    dtype = params[0].dtype
+    vals = avg[:k].to(dtype)
+    fl = avg[k:].float()
+    seg = _seg_of(indices, offsets)
+    nonfinite = torch.zeros(S, dtype=torch.int64, device=indices.device)
+    nonfinite.index_add_(0, seg, torch.isfinite(vals.float()).logical_not().long())
+    _, good, _ = _decide(fl, nonfinite.eq(0).logical_and(torch.isfinite(fl)), keep_all_zero)
+    o = [int(x) for x in offsets]
+    neg_lr = torch.tensor(-lr, dtype=torch.float32).double()
+    for s, p in enumerate(params):
+        sel = seg.eq(s).logical_and(good[s])
+        flat = p.permute(sorted(range(p.dim()), key=lambda d: (-p.stride(d), -p.size(d)))) \
+            if p.dim() > 1 else p
+        flat = flat.view(-1)  # memory order (a view: p is dense and non-overlapping)
+        loc = indices[sel] - o[s]
+        # fma(g, -lr, p) in fp32: the exact product and sum in fp64, rounded once to fp32
+        new = flat[loc].double() + vals[sel].float().double() * neg_lr
+        flat[loc] = new.float().to(dtype)
 
 
 def step_commit_local(buf, all_indices, all_values, offsets, world_size, counter, acc=None,

@@ -58,7 +58,7 @@ def _hook_counts(rank, world_size, nparams, mode, steps=8, refresh=4):
     ddp = DDP(model, bucket_cap_mb=64)
     delayed = mode == "delayed"  # delay_steps=1: the shared mode, applied one step later
     state = SlimDPState(core_ratio=0.2, explore_ratio=0.1, core_refresh=refresh,
-                        warmup_steps=2, index_mode="shared" if delayed else mode,
+                        warmup_steps=2, index_mode=mode if mode in ("shared", "local") else "shared",
                         delay_steps=int(delayed))
     state.attach(ddp)
     rows = []
@@ -72,6 +72,8 @@ def _hook_counts(rank, world_size, nparams, mode, steps=8, refresh=4):
 
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if mode == "fused":  # the shared mode with SGD applied at the index set in the hook
+        state.fuse_sgd(opt)
     g = torch.Generator().manual_seed(rank)
     with synchronous_collectives(compressor):
         for t in range(steps):
@@ -147,7 +149,7 @@ def _check(results, warmup, refresh, budget=BUDGET, refresh_budget=REFRESH_BUDGE
     return per
 
 
-@pytest.mark.parametrize("mode", ["shared", "local", "delayed"])
+@pytest.mark.parametrize("mode", ["shared", "local", "delayed", "fused"])
 def test_hook_step_has_no_host_sync_and_constant_ops(mode):
     results = {n: run_workers(_hook_counts, 2, n, mode, timeout=300)[0] for n in SIZES}
     _check(results, warmup=2, refresh=4)

@@ -865,3 +865,29 @@ def test_local_method_has_no_ddp(tmp_path):
         assert m.bytes_sent() == 0  # 2 ranks in the accounting, still nothing sent
     finally:
         dist.destroy_process_group()
+
+
+def test_no_error_feedback_reaches_the_hook_and_is_refused_where_it_does_nothing():
+    # it used to reach only SlimDPOptimizer: the slimdp/topk hooks kept error feedback silently
+    from slimcomm.train.methods import _Method
+
+    def parse(*argv):
+        return T.apply_method_defaults(T.build_parser().parse_args(list(argv)))
+    for m in ("ddp", "fp16", "powersgd", "local", "ist"):
+        with pytest.raises(SystemExit, match="--no-error-feedback"):
+            parse("--method", m, "--no-error-feedback")
+    for m in ("slimdp", "topk", "diloco", "slimdp-local"):
+        assert parse("--method", m, "--no-error-feedback").no_error_feedback
+    import torch.distributed as dist
+    from torch import nn
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for flag, want in (([], True), (["--no-error-feedback"], False)):
+            args = parse("--method", "slimdp", *flag)
+            model = nn.Sequential(nn.Linear(4, 3))
+            meth = _Method(args, model, 1, nn.functional.cross_entropy, total_steps=2, classify=True)
+            assert meth.hook_state.error_feedback is want
+    finally:
+        dist.destroy_process_group()

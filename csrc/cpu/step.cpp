@@ -16,6 +16,7 @@
 // Indices are unique within a call (by contract), so parallel loops write
 // disjoint locations and results do not depend on the thread count.
 #include "step.h"
+#include "step_cpu.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,20 +41,8 @@ using step::given;
 
 constexpr int64_t kGrain = 1 << 15;
 
-template <typename Fn>
-void dispatch_value(at::ScalarType st, Fn&& fn) {
-  switch (st) {
-    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
-    case at::kHalf: fn(static_cast<at::Half*>(nullptr)); break;
-    case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
-    default: TORCH_CHECK(false, "slimcomm: unsupported dtype ", st);
-  }
-}
-
-// Segment of bucket-flat index i: the s with o[s] <= i < o[s + 1].
-inline int64_t segment_of(const int64_t* o, int64_t S, int64_t i) {
-  return static_cast<int64_t>(std::upper_bound(o, o + S + 1, i) - o) - 1;
-}
+using cpu::dispatch_value;
+using cpu::segment_of;
 
 // Runs fn(s, lo, hi) over [0, N) in parallel chunks split at segment boundaries.
 template <typename Fn>

@@ -1,6 +1,7 @@
 // CUDA kernels of the fused Slim-DP step ops (contracts in slimcomm/ops.py,
 // definitions in slimcomm/reference.py, CPU kernels in csrc/cpu/step.cpp):
-// step_encode, step_commit, step_commit_local, step_undo.
+// step_encode, step_commit, step_commit_local, step_undo, and sgd_apply_indexed
+// (CPU: csrc/cpu/sgd.cpp).
 //
 // No host synchronisation: segment offsets, the loss scale and the void flag
 // are read on the device; indices are not range-checked here (that would need
@@ -313,6 +314,66 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// sgd_apply_indexed: param[i] = fma(avg[j] (cast to the parameters' dtype), -lr, param[i]) at
+// every index of a good segment (the decision of step_commit, recomputed per thread from
+// the summed flag and the segment's non-finite word); ptrs[s] = the data pointer of segment
+// s's parameter.
+template <typename T, typename W>
+__global__ void __launch_bounds__(kBlock)
+    sgd_indexed_kernel(const int64_t* __restrict__ ptrs, const W* __restrict__ avg,
+                       const int64_t* __restrict__ idx, int64_t k, const int64_t* __restrict__ o,
+                       int64_t S, int64_t n, const int* __restrict__ nonfinite,
+                       bool keep_all_zero, float neg_lr) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; j < k;
+       j += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const int64_t i = idx[j];
+    CUDA_KERNEL_ASSERT(i >= 0 && i < n);
+    const int64_t s = segment_of(o, S, i);
+    const int d = step::decide(static_cast<float>(avg[k + s]), nonfinite[s] == 0, keep_all_zero);
+    if (!(d & 2)) continue;
+    T* p = reinterpret_cast<T*>(ptrs[s]) + (i - o[s]);
+    const float g = static_cast<float>(static_cast<T>(avg[j]));
+    *p = static_cast<T>(__fmaf_rn(g, neg_lr, static_cast<float>(*p)));
+  }
+}
+
+void sgd_apply_indexed_cuda(at::TensorList params, const at::Tensor& indices,
+                            const at::Tensor& offsets, const at::Tensor& avg, double lr,
+                            bool keep_all_zero) {
+  const char* op = "sgd_apply_indexed";
+  const int64_t N = step::check_sgd_params(op, params, indices, offsets, avg);
+  const int64_t S = offsets.numel() - 1;
+  const int64_t k = indices.numel();
+  if (S == 0 || k == 0) return;
+  c10::cuda::CUDAGuard guard(indices.device());
+  cudaStream_t st = current_stream();
+  const at::Tensor idx = indices.contiguous(), av = avg.contiguous();
+  // the pointer table through pinned memory: an asynchronous copy, no host sync (the
+  // caching host allocator keeps the pinned block until the copy has run)
+  at::Tensor host = at::empty({S}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* h = host.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) h[s] = reinterpret_cast<int64_t>(params[s].data_ptr());
+  const at::Tensor ptrs = host.to(indices.device(), /*non_blocking=*/true);
+  at::Tensor nonfinite = at::empty({S}, indices.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(nonfinite.data_ptr(), 0, sizeof(int) * S, st));
+  const float neg_lr = static_cast<float>(-lr);
+  dispatch_value(params[0].scalar_type(), [&](auto* ptag) {
+    using T = std::remove_pointer_t<decltype(ptag)>;
+    dispatch_value(av.scalar_type(), [&](auto* wtag) {
+      using W = std::remove_pointer_t<decltype(wtag)>;
+      const W* pa = av.data_ptr<W>();
+      const int64_t* po = offsets.data_ptr<int64_t>();
+      idx_nonfinite_kernel<T, W><<<flat_grid(k), kBlock, 0, st>>>(
+          pa, idx.data_ptr<int64_t>(), k, po, S, N, nonfinite.data_ptr<int>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      sgd_indexed_kernel<T, W><<<flat_grid(k), kBlock, 0, st>>>(
+          ptrs.data_ptr<int64_t>(), pa, idx.data_ptr<int64_t>(), k, po, S, N,
+          nonfinite.data_ptr<int>(), keep_all_zero, neg_lr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
 void check_acc_residual(const char* op, const OptTensor& acc, const OptTensor& residual,
                         const at::Tensor& buf) {
   SLIMCOMM_CHECK(given(acc) == given(residual), op, given(acc) ? "residual" : "acc",
@@ -571,6 +632,7 @@ TORCH_LIBRARY_IMPL(slimcomm, CUDA, m) {
   m.impl("step_commit", &cuda::step_commit_cuda);
   m.impl("step_commit_local", &cuda::step_commit_local_cuda);
   m.impl("step_undo", &cuda::step_undo_cuda);
+  m.impl("sgd_apply_indexed", &cuda::sgd_apply_indexed_cuda);
 }
 
 }  // namespace slimcomm

@@ -37,17 +37,28 @@ class _FeedbackMixin:
             ``self``.
 
         Raises:
-            ValueError: ``scaler`` is not a GradScaler, or ``delay_steps=1``.
+            ValueError: ``scaler`` is not a GradScaler, ``delay_steps=1``, or the
+                hook fuses the SGD step (``SlimDPState.fuse_sgd``).
         """
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got "
                              f"{type(scaler).__name__}")
+        if scaler is not None and getattr(self, "_fused", None) is not None:
+            raise ValueError("scaler: a GradScaler cannot be attached to a state whose hook "
+                             "applies the SGD step itself (fuse_sgd): the scaler's skip of an "
+                             "overflowing step would come after the update")
         if scaler is not None and self.delay_steps:
             raise ValueError("scaler: a GradScaler cannot be attached with delay_steps=1 (its "
                              "skip decision would concern the step whose values are still "
                              "in flight); use delay_steps=0")
         self._scaler = scaler
         return self
+
+    def _fused_sgd(self, layout: _Layout):
+        """``(parameters, lr)`` of a group whose SGD step the transport applies itself
+        (:meth:`slimcomm.hooks.SlimDPState.fuse_sgd`), else None (the optimizer-side sync
+        never fuses)."""
+        return None
 
     def _loss_scale(self, layout: _Layout) -> Optional[torch.Tensor]:
         sc = self._scaler
@@ -144,7 +155,7 @@ def _encode(state, layout, buf, idx, world_size, wire_dtype, scale, accumulated=
     return wire, acc
 
 
-def _commit(state, layout, buf, acc, idx, avg, step, scale, local=None):
+def _commit(state, layout, buf, acc, idx, avg, step, scale, local=None, write_buf=True):
     """After the collective: ``buf``, ``G`` and the residual updated, NaN where flagged.
 
     One fused op: ``slimcomm.ops.step_commit`` (``avg``: the summed payload ``[values |
@@ -161,7 +172,8 @@ def _commit(state, layout, buf, acc, idx, avg, step, scale, local=None):
     (the old residual stays in ``layout.spare``) so that
     :meth:`SlimDPCompressor._settle` can undo the whole step if any parameter of it was
     non-finite; the op ORs its own "some parameter was non-finite" into the step's flag.
-    No host sync, a fixed number of ops whatever the number of parameters."""
+    ``write_buf=False`` (the fused SGD step, :meth:`SlimDPState.fuse_sgd`) leaves ``buf``
+    as it is. No host sync, a fixed number of ops whatever the number of parameters."""
     counter = state._dev_count(buf.device)
     residual = layout.residual
     if residual is None:
@@ -178,7 +190,8 @@ def _commit(state, layout, buf, acc, idx, avg, step, scale, local=None):
         return ops.step_commit(buf, idx, layout.offsets_tensor(), avg, counter, G=layout.G,
                                acc=acc, residual=residual, scale=scale,
                                keep_all_zero=state._KEEP_ALL_ZERO,
-                               return_old_g=void_policy and layout.G is not None, void_in=prev)
+                               return_old_g=void_policy and layout.G is not None, void_in=prev,
+                               write_buf=write_buf)
 
     with state._lock:  # the counter (and the step's flag) updated atomically
         if void_policy:

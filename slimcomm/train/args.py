@@ -314,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 1), default=1,
                    help="dense all-reduce steps first, in --value-dtype (>= 1: G starts from a dense average)")
     g.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="dtype of values on the wire")
+    g.add_argument("--fuse-sgd", action=argparse.BooleanOptionalAction, default=None,
+                   help="slimdp only: the hook applies plain SGD at the index set itself "
+                        "(SlimDPState.fuse_sgd: no dense bucket write, no dense optimizer pass); default: "
+                        "on where it applies (--optimizer sgd, --momentum 0, no weight decay, no --grad-clip, "
+                        "--delay-steps 0)")
     g.add_argument("--delay-steps", type=int, choices=(0, 1), default=None,
                    help="slimdp only: 1 applies each step's all-reduce one step later, so the collective "
                         "overlaps the next step's computation (SlimDPState(delay_steps=)); default 0")
@@ -345,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient of the ranks it synchronises with); default local-adamw for slimdp-local, "
                         "adamw (the published algorithms) for diloco and sparseloco")
     g.add_argument("--no-error-feedback", action="store_true",
-                   help="SlimDPOptimizer(error_feedback=False): drop what the compression did not send "
+                   help="error_feedback=False for the slimdp/topk hook and SlimDPOptimizer: drop what the "
+                        "compression did not send "
                         "(for measurements; error feedback is the default)")
 
     g = p.add_argument_group("ist (slimcomm.ist.ISTTrainer; --model gpt: slimcomm.ist.GPTISTTrainer)")
@@ -688,12 +694,25 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "profile", False) and (args.method == "ist" or getattr(args, "device", "cpu") != "cpu"):
         bad("--profile times the steps of the DDP and optimizer-side methods on --device cpu; not --method ist "
             "or --device cuda")
+    if getattr(args, "no_error_feedback", False) and args.method not in ("slimdp", "topk", *SYNC_DEFAULTS):
+        bad(f"--no-error-feedback applies to the Slim-DP hook (slimdp, topk) and the optimizer-side methods "
+            f"({', '.join(SYNC_DEFAULTS)}), not {args.method}")
     if given("delay_steps") and args.method != "slimdp":
         bad(f"--delay-steps applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
     # the defaults only where the option applies (left unset elsewhere, so that a second call
     # still refuses only what the user gave)
     if args.method == "slimdp" and not given("delay_steps"):
         args.delay_steps = 0
+    fusable = (args.method == "slimdp" and args.optimizer == "sgd" and args.momentum == 0
+               and args.weight_decay == 0 and args.grad_clip == 0 and not args.delay_steps)
+    if given("fuse_sgd"):
+        if args.method != "slimdp":
+            bad(f"--fuse-sgd/--no-fuse-sgd apply to --method slimdp (the Slim-DP DDP hook), not {args.method}")
+        if args.fuse_sgd and not fusable:
+            bad("--fuse-sgd needs plain SGD in the hook: --optimizer sgd with --momentum 0, no weight decay, "
+                "no --grad-clip (the update is applied inside backward) and --delay-steps 0")
+    elif args.method == "slimdp":
+        args.fuse_sgd = fusable
     if given("delay_syncs") and args.method not in SYNC_DEFAULTS:
         bad(f"--delay-syncs applies to the optimizer-side methods ({', '.join(SYNC_DEFAULTS)}), "
             f"not {args.method}")

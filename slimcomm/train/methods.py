@@ -279,10 +279,13 @@ class _Method:
                     seed=args.seed,
                     warmup_steps=args.warmup_steps,
                     delay_steps=getattr(args, "delay_steps", None) or 0,
+                    error_feedback=not args.no_error_feedback,
                 )
                 self.hook_state = SlimDPState(**kw).attach(model)
                 register(self.hook_state, slim_dp_hook)
             inner = self.opt = _make_optimizer(self.ddp.parameters(), args)
+            if m == "slimdp" and args.fuse_sgd:
+                self.hook_state.fuse_sgd(inner)  # SGD at the index set, inside the hook
         if self._scheduled:
             self.sched = torch.optim.lr_scheduler.LambdaLR(inner, factor)
 
@@ -309,7 +312,9 @@ class _Method:
             prof.mark("backward")
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.opt.step()
+        import os
+        if not os.environ.get("HACK_NOSTEP"):
+            self.opt.step()
         if prof is not None:
             prof.mark("optimizer")
         if self.sched is not None:

@@ -14,11 +14,16 @@ def _shared(state, layout, buf, world_size, step, weight):
     k = idx.numel()
     state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size(),
                  layout.numel, k, k - n_explore, n_explore)
+    fused = state._fused_sgd(layout)  # (parameters, lr) when the hook applies SGD itself
     fut = _comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
 
     def done(f):
         # f.value() raises if the collective failed: nothing is committed then
-        _commit(state, layout, buf, acc, idx, f.value()[0], step, scale)
+        avg = f.value()[0]
+        _commit(state, layout, buf, acc, idx, avg, step, scale, write_buf=fused is None)
+        if fused is not None:
+            ops.sgd_apply_indexed(fused[0], idx, layout.offsets_tensor(), avg, fused[1],
+                                  keep_all_zero=state._KEEP_ALL_ZERO)
         return buf
 
     return fut.then(ops.run_trusted(done))

@@ -1,0 +1,251 @@
+"""``SlimDPState.fuse_sgd`` (issue 31): the hook applies plain SGD at the index set itself.
+
+The oracle is the unfused hook followed by ``torch.optim.SGD`` (no momentum, no weight
+decay) on the same gradients: fused, the parameters must come out bit for bit the same,
+on every rank, whatever the bucketing (several buckets, some of dense parameters only,
+which the optimizer still steps), with an lr scheduler, and after a non-finite gradient
+(which the fused step leaves out where the unfused one writes NaN). Multi-rank runs use
+gloo through ``_dist.run_workers``.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _dist import run_workers
+from test_hooks import BASE, Net, batch, loss_fn, make_model
+from slimcomm import ops
+from slimcomm import reference as ref
+from slimcomm.hooks import SlimDPState, slim_dp_hook
+
+SMALL_BUCKETS = dict(bucket_cap_mb=0.001)  # several buckets, some of dense parameters only
+STEPS = 10
+
+
+def _train(rank, fused, ddp_kw, sched=False, nan_at=None, view=False):
+    model = make_model()
+    ddp = DDP(model, gradient_as_bucket_view=view, **ddp_kw)
+    state = SlimDPState(**BASE).attach(ddp)
+    ddp.register_comm_hook(state, slim_dp_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    if fused:
+        state.fuse_sgd(opt)
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if sched else None
+    if nan_at is not None and rank == 1:
+        box = {"t": -1}
+        model.fc1.weight.register_hook(
+            lambda g: g * float("nan") if box["t"] == nan_at else g)
+    history = []
+    for t in range(STEPS):
+        if nan_at is not None and rank == 1:
+            box["t"] = t
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(rank, t)
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        if lr_sched is not None:
+            lr_sched.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    return dict(history=history, nonfinite=state.stats["total"].get("nonfinite_params"),
+                stats=state.stats["total"])
+
+
+def _cases(rank, world_size):
+    out = {}
+    for key, kw in (("small", dict(ddp_kw=SMALL_BUCKETS)), ("one", dict(ddp_kw={})),
+                    ("view", dict(ddp_kw={}, view=True)),
+                    ("sched", dict(ddp_kw=SMALL_BUCKETS, sched=True))):
+        out[key] = {f: _train(rank, f, **kw) for f in (False, True)}
+    out["nan"] = {f: _train(rank, f, dict(), nan_at=6) for f in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_workers(_cases, 2, timeout=300)
+
+
+@pytest.mark.parametrize("key", ["small", "one", "view", "sched"])
+def test_fused_equals_unfused_bit_for_bit_on_every_rank(two, key):
+    for rank in range(2):
+        plain, fused = two[rank][key][False]["history"], two[rank][key][True]["history"]
+        for t, (a, b) in enumerate(zip(plain, fused)):
+            for i, (pa, pb) in enumerate(zip(a, b)):
+                assert torch.equal(pa, pb), (key, rank, t, i)
+    for t in range(STEPS):  # replicas identical
+        for pa, pb in zip(two[0][key][True]["history"][t], two[1][key][True]["history"][t]):
+            assert torch.equal(pa, pb)
+    # the fused runs trained (not a no-op): every parameter moved
+    first, last = two[0][key][True]["history"][0], two[0][key][True]["history"][-1]
+    assert all(not torch.equal(a, b) for a, b in zip(first, last))
+
+
+def test_nonfinite_parameter_left_unchanged_where_unfused_writes_nan(two):
+    names = [n for n, _ in make_model().named_parameters()]
+    w = names.index("fc1.weight")
+    for rank in range(2):
+        plain, fused = two[rank]["nan"][False]["history"], two[rank]["nan"][True]["history"]
+        for t in range(6):
+            assert all(torch.equal(a, b) for a, b in zip(plain[t], fused[t]))
+        assert torch.isnan(plain[6][w]).all()              # unfused: SGD applied the NaN
+        assert torch.equal(fused[6][w], fused[5][w])       # fused: left out at step 6
+        assert torch.isfinite(fused[-1][w]).all()
+        for i in range(len(names)):                        # the others still stepped
+            if i != w:
+                assert not torch.equal(fused[6][i], fused[5][i])
+    assert two[0]["nan"][True]["stats"] == two[1]["nan"][True]["stats"]
+
+
+# ---------------------------------------------------------------------------
+# The op against its reference and against torch's SGD
+# ---------------------------------------------------------------------------
+
+
+def _case(seed, pdtype, wdtype, keep_all_zero, flags):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(6, 7), (9,), (2, 3, 4, 5), (4,)]
+    params = [torch.randn(s, generator=g).to(pdtype) for s in shapes]
+    params[2] = params[2].contiguous(memory_format=torch.channels_last)
+    sizes = [p.numel() for p in params]
+    offsets = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist())
+    n = int(offsets[-1])
+    core, explore = [], []
+    for s, size in enumerate(sizes):  # two ascending runs, as the selection ops give
+        perm = torch.randperm(size, generator=g)[: max(1, size // 3)] + offsets[s]
+        core.append(perm[: len(perm) // 2].sort().values)
+        explore.append(perm[len(perm) // 2:].sort().values)
+    idx = torch.cat(core + explore)
+    vals = torch.randn(idx.numel(), generator=g)
+    avg = torch.cat([vals, torch.tensor(flags, dtype=torch.float32)]).to(wdtype)
+    assert idx.unique().numel() == idx.numel() and int(idx.max()) < n
+    return params, idx, offsets, avg
+
+
+FLAGS = [[1.0, 1.0, 1.0, 1.0], [1.0, float("nan"), 0.0, 2.0], [0.0, 0.0, 1.0, float("inf")]]
+
+
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("keep_all_zero", [False, True])
+@pytest.mark.parametrize("flags", FLAGS)
+def test_op_matches_reference(pdtype, wdtype, keep_all_zero, flags):
+    params, idx, offsets, avg = _case(3, pdtype, wdtype, keep_all_zero, flags)
+    want = [p.clone() for p in params]
+    ref.sgd_apply_indexed(want, idx, offsets, avg, 0.37, keep_all_zero)
+    got = [p.clone() for p in params]
+    for p, q in zip(got, params):
+        assert p.stride() == q.stride()
+    ops.sgd_apply_indexed(got, idx, offsets, avg, 0.37, keep_all_zero)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_op_matches_torch_sgd_on_the_committed_bucket():
+    """fp32: the fused update equals step_commit's bucket stepped by torch.optim.SGD."""
+    params, idx, offsets, avg = _case(5, torch.float32, torch.bfloat16, True, FLAGS[1])
+    fused = [p.clone() for p in params]
+    ops.sgd_apply_indexed(fused, idx, offsets, avg, 0.37, keep_all_zero=True)
+    n = int(offsets[-1])
+    buf = torch.empty(n)
+    ops.step_commit(buf, idx, offsets, avg, torch.zeros(2, dtype=torch.int64), keep_all_zero=True)
+    plain = [nn.Parameter(p.clone()) for p in params]
+    for s, p in enumerate(plain):  # the bucket's segment in the parameter's memory order
+        seg = buf[int(offsets[s]):int(offsets[s + 1])]
+        p.grad = torch.empty_like(p)
+        ref_flat = p.grad.permute(sorted(range(p.dim()), key=lambda d: -p.stride(d))) \
+            if p.dim() > 1 else p.grad
+        ref_flat.view(-1).copy_(seg)
+    torch.optim.SGD(plain, lr=0.37).step()
+    for s, (a, b) in enumerate(zip(fused, plain)):
+        if s == 1:  # flagged NaN on some rank: unfused it becomes NaN, fused it is left alone
+            assert torch.isnan(b).all() and torch.equal(a, params[s])
+        else:
+            assert torch.equal(a, b.detach()), s
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda a: a.update(params=a["params"][:-1]), "params"),
+    (lambda a: a["params"].__setitem__(0, a["params"][0].double()), "params"),
+    (lambda a: a["params"].__setitem__(1, torch.zeros(8)), "params"),
+    (lambda a: a["params"].__setitem__(0, torch.zeros(7, 12)[:, ::2]), "params"),
+    (lambda a: a.update(avg=a["avg"][:-1]), "avg"),
+    (lambda a: a["idx"].__setitem__(0, 10_000), "indices"),
+    (lambda a: a.update(idx=a["idx"].int()), "indices"),
+])
+def test_op_bad_arguments_name_the_argument(mutate, needle):
+    params, idx, offsets, avg = _case(1, torch.float32, torch.float32, False, FLAGS[0])
+    a = dict(params=params, idx=idx.clone(), avg=avg)
+    mutate(a)
+    before = [p.clone() for p in params]
+    with pytest.raises(RuntimeError, match=needle):
+        ops.sgd_apply_indexed(a["params"], a["idx"], offsets, a["avg"], 0.1)
+    assert all(torch.equal(p, q) for p, q in zip(params, before))  # nothing written
+
+
+# ---------------------------------------------------------------------------
+# fuse_sgd's refusals (one rank: no collective needed to check them)
+# ---------------------------------------------------------------------------
+
+
+def _state(**kw):
+    return SlimDPState(**{**BASE, **kw}).attach(make_model())
+
+
+def test_fuse_sgd_refusals():
+    model = make_model()
+    with pytest.raises(RuntimeError, match="attach"):
+        SlimDPState(**BASE).fuse_sgd(torch.optim.SGD(model.parameters(), lr=0.1))
+    state = SlimDPState(**BASE).attach(model)
+    with pytest.raises(TypeError, match="torch.optim.SGD"):
+        state.fuse_sgd(torch.optim.AdamW(model.parameters(), lr=0.1))
+    for kw, needle in ((dict(momentum=0.9), "momentum"), (dict(weight_decay=1e-4), "weight_decay"),
+                       (dict(momentum=0.9, nesterov=True), "momentum"),
+                       (dict(maximize=True), "maximize"),
+                       (dict(lr=torch.tensor(0.1)), "tensor lr")):
+        with pytest.raises(ValueError, match=needle):
+            state.fuse_sgd(torch.optim.SGD(model.parameters(), **{"lr": 0.1, **kw}))
+    with pytest.raises(ValueError, match="positions"):
+        state.fuse_sgd(torch.optim.SGD(list(model.parameters())[1:], lr=0.1))
+    with pytest.raises(ValueError, match="index_mode"):
+        SlimDPState(**{**BASE, "index_mode": "local"}).attach(model).fuse_sgd(
+            torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="delay_steps"):
+        SlimDPState(**{**BASE, "delay_steps": 1}).attach(model).fuse_sgd(
+            torch.optim.SGD(model.parameters(), lr=0.1))
+    scaled = SlimDPState(**BASE).attach(model).attach_grad_scaler(torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="GradScaler"):
+        scaled.fuse_sgd(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state.fuse_sgd(opt)
+    with pytest.raises(ValueError, match="GradScaler"):
+        state.attach_grad_scaler(torch.amp.GradScaler("cpu"))
+    # checked again at each step: a group switched to momentum after fusing
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match="momentum"):
+        state._fused.for_layout((0, 1))
+    opt.param_groups[0]["momentum"] = 0.0
+    groups = [{"params": [p], "lr": 0.1 * (i + 1)} for i, p in enumerate(model.parameters())]
+    state.fuse_sgd(torch.optim.SGD(groups, lr=0.1))
+    with pytest.raises(ValueError, match="different learning rates"):
+        state._fused.for_layout((0, 1))
+    state.fuse_sgd(None)
+    assert state._fused is None and state._fused_sgd(None) is None
+
+
+def test_step_skips_only_the_fused_groups_and_restores_the_lists():
+    model = make_model()
+    state = SlimDPState(**BASE).attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    state.fuse_sgd(opt)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    state._fused.for_layout((0, 1))          # the hook fused fc1 in this backward
+    opt.step()
+    assert torch.equal(params[0], before[0]) and torch.equal(params[1], before[1])
+    assert all(not torch.equal(p, b) for p, b in zip(params[2:], before[2:]))
+    assert opt.param_groups[0]["params"] == params   # the full list is back
+    opt.step()                                         # nothing fused since: every parameter steps
+    assert not torch.equal(params[0], before[0])
