@@ -891,3 +891,34 @@ def test_no_error_feedback_reaches_the_hook_and_is_refused_where_it_does_nothing
             assert meth.hook_state.error_feedback is want
     finally:
         dist.destroy_process_group()
+
+
+def test_fuse_sgd_default_where_it_applies_and_refusals():
+    def parse(*argv):
+        return T.apply_method_defaults(T.build_parser().parse_args(list(argv)))
+    assert parse("--method", "slimdp").fuse_sgd is True                      # plain SGD, lr 0.6
+    assert parse("--method", "slimdp", "--model", "cnn").fuse_sgd is True
+    for argv in (["--momentum", "0.9"], ["--weight-decay", "1e-4"], ["--grad-clip", "1"],
+                 ["--delay-steps", "1"], ["--model", "gpt"], ["--no-fuse-sgd"]):
+        assert parse("--method", "slimdp", *argv).fuse_sgd is False, argv
+    for m in ("ddp", "topk", "diloco", "local"):
+        assert parse("--method", m).fuse_sgd is None
+        with pytest.raises(SystemExit, match="--fuse-sgd"):
+            parse("--method", m, "--fuse-sgd")
+    for argv in (["--momentum", "0.9"], ["--grad-clip", "1"], ["--model", "gpt"]):
+        with pytest.raises(SystemExit, match="--fuse-sgd"):
+            parse("--method", "slimdp", "--fuse-sgd", *argv)
+    x = parse("--method", "slimdp")
+    assert T.apply_method_defaults(argparse.Namespace(**vars(x))) == x   # idempotent
+    from slimcomm.train.methods import _Method
+    import torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for flag, fused in (([], True), (["--no-fuse-sgd"], False)):
+            meth = _Method(parse("--method", "slimdp", *flag), nn.Sequential(nn.Linear(4, 3)), 1,
+                           nn.functional.cross_entropy, total_steps=2, classify=True)
+            assert (meth.hook_state._fused is not None) is fused
+    finally:
+        dist.destroy_process_group()

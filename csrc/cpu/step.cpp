@@ -66,21 +66,9 @@ void for_each_segment_range(const int64_t* o, int64_t S, int64_t N, Fn&& fn) {
 constexpr int64_t kStreamMin = 1 << 20;
 constexpr int64_t kBlock = 2048;  // elements per L1-resident block of the streamed pass
 
-// dst[0, n) = src[0, n): streaming stores where dst is 16-byte aligned (x86-64), else memcpy.
-// The storing thread issues the store fence (stream_fence) before the data is read elsewhere.
-inline void stream_store(float* dst, const float* src, int64_t n) {
-#if defined(__SSE2__)
-  int64_t e = 0;
-  for (; e < n && (reinterpret_cast<uintptr_t>(dst + e) & 15u); ++e) dst[e] = src[e];
-  for (; e + 4 <= n; e += 4) _mm_stream_ps(dst + e, _mm_loadu_ps(src + e));
-  for (; e < n; ++e) dst[e] = src[e];
-#else
-  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-#endif
-}
-
-// dst[0, n) = src[0, n) bytes, streaming stores on the 16-byte aligned part (any value
-// dtype); the same fence rule as stream_store.
+// dst[0, n) = src[0, n) bytes (any value dtype): streaming stores on the part where dst is
+// 16-byte aligned (x86-64), memcpy elsewhere. The storing thread issues the store fence
+// (stream_fence) before the data is read elsewhere.
 inline void stream_bytes(void* dst, const void* src, size_t n) {
 #if defined(__SSE2__)
   char* d = static_cast<char*>(dst);
@@ -96,6 +84,11 @@ inline void stream_bytes(void* dst, const void* src, size_t n) {
 #else
   std::memcpy(dst, src, n);
 #endif
+}
+
+// dst[0, n) = src[0, n) (fp32): stream_bytes on the floats.
+inline void stream_store(float* dst, const float* src, int64_t n) {
+  stream_bytes(dst, src, static_cast<size_t>(n) * sizeof(float));
 }
 
 inline void stream_fence() {

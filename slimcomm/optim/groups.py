@@ -181,7 +181,7 @@ class _GroupsMixin:
                 _comm.wait(_comm.broadcast(g.outer, 0, group, t), what, t)
                 torch.sub(g.outer, g.scratch, out=g.scratch)
                 torch._foreach_add_(g.params, g.scratch_views)
-            _broadcast_flat([local(p) for _, p in self._frozen_named], group, t, what)
+            _broadcast_flat(frozen, group, t, what)
         self._adopt_start = False
 
     def _check_parameters_unchanged(self) -> None:

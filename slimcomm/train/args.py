@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .comm_threads import POLICIES as COMM_THREAD_POLICIES
 from .workloads import data as data_mod
 from .workloads import text as text_mod
 
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu uses gloo, cuda uses NCCL")
     g.add_argument("--threads", type=_positive_int("--threads"), default=None,
                    help="torch intra-op threads per rank (default: CPU cores / local ranks)")
-    g.add_argument("--comm-thread-priority", choices=("normal", "low", "idle"), default="idle",
+    g.add_argument("--comm-thread-priority", choices=COMM_THREAD_POLICIES, default="idle",
                    help="scheduling priority of gloo's event-loop threads (slimcomm.train.comm_threads): "
                         "they busy-poll while a peer's bytes wait for this rank to enter the collective, "
                         "which on ranks sharing cores takes the CPU of the late rank's step; idle: "
