@@ -14,6 +14,18 @@
 namespace slimcomm {
 namespace step {
 
+// fn(T*) with T the C++ type of a value dtype (fp32, fp16, bf16): the host-side dtype
+// dispatch of the CPU and CUDA step kernels.
+template <typename Fn>
+void dispatch_value(at::ScalarType st, Fn&& fn) {
+  switch (st) {
+    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
+    case at::kHalf: fn(static_cast<at::Half*>(nullptr)); break;
+    case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
+    default: TORCH_CHECK(false, "slimcomm: unsupported dtype ", st);
+  }
+}
+
 // Value dtypes of buffers and wires.
 inline bool is_value_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;

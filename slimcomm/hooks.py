@@ -287,7 +287,9 @@ class SlimDPState(SlimDPCompressor):
         What changes: after ``backward()`` the ``.grad`` of a fused parameter holds this
         rank's own gradient, not the average, and the update has already been applied,
         so gradient clipping or any other edit of ``.grad`` before ``step()`` has no
-        effect on it; do not fuse when the loop clips or reads gradients.
+        effect on it; do not fuse when the loop clips or reads gradients. The fusion is
+        not part of :meth:`state_dict`: after a resume, call ``fuse_sgd`` again with the
+        new optimizer.
 
         Args:
             optimizer: a ``torch.optim.SGD`` over the attached model's parameters, every

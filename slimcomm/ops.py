@@ -59,6 +59,7 @@ __all__ = [
     "step_commit",
     "step_commit_local",
     "step_undo",
+    "sgd_apply_indexed",
     "CODEC_BITS",
     "chunk_count",
     "quantize_chunks",

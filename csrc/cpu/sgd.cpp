@@ -36,11 +36,11 @@ void sgd_apply_indexed_cpu(at::TensorList params, const at::Tensor& indices,
   const int64_t* pi = idx.data_ptr<int64_t>();
   // torch's add_(grad, alpha=-lr) multiplies by the scalar cast to the opmath type
   const float neg_lr = static_cast<float>(-lr);
-  cpu::dispatch_value(params[0].scalar_type(), [&](auto* ptag) {
+  step::dispatch_value(params[0].scalar_type(), [&](auto* ptag) {
     using T = std::remove_pointer_t<decltype(ptag)>;
     std::vector<T*> base(S);
     for (int64_t s = 0; s < S; ++s) base[s] = params[s].data_ptr<T>();
-    cpu::dispatch_value(av.scalar_type(), [&](auto* wtag) {
+    step::dispatch_value(av.scalar_type(), [&](auto* wtag) {
       using W = std::remove_pointer_t<decltype(wtag)>;
       const W* pa = av.data_ptr<W>();
       // the decision of step_commit: values cast to the parameters' dtype, per segment

@@ -41,7 +41,7 @@ using step::given;
 
 constexpr int64_t kGrain = 1 << 15;
 
-using cpu::dispatch_value;
+using step::dispatch_value;
 using cpu::segment_of;
 
 // Runs fn(s, lo, hi) over [0, N) in parallel chunks split at segment boundaries.

@@ -31,15 +31,7 @@ using step::given;
 
 constexpr int kBlock = 256;
 
-template <typename Fn>
-void dispatch_value(at::ScalarType st, Fn&& fn) {
-  switch (st) {
-    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
-    case at::kHalf: fn(static_cast<at::Half*>(nullptr)); break;
-    case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
-    default: TORCH_CHECK(false, "slimcomm: unsupported dtype ", st);
-  }
-}
+using step::dispatch_value;
 
 __device__ __forceinline__ bool finite_f(float v) { return v - v == 0.f; }
 
