@@ -53,6 +53,7 @@ groups parameters into buckets (``bucket_cap_mb``, the bucket rebuild after
 the first iteration, or a new DDP instance after a checkpoint).
 """
 
+import logging
 from typing import Optional, Tuple
 
 import torch
@@ -60,6 +61,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .compressor import SlimDPCompressor, explore_rng_offset, selection_sizes
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SlimDPState",
@@ -263,6 +266,10 @@ class SlimDPState(SlimDPCompressor):
                 "delay_steps=1 is the previous step's average (lost, not applied); use "
                 "delay_steps=0")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        if getattr(self, "_fused", None) is not None:  # fused to the previous parameters
+            logger.warning("SlimDPState.attach: dropping fuse_sgd (it was set up for the "
+                           "previously attached parameters); call fuse_sgd again")
+            self.fuse_sgd(None)
         return self.attach_parameters(list(module.named_parameters()))
 
     def fuse_sgd(self, optimizer: Optional[torch.optim.Optimizer]) -> "SlimDPState":
@@ -276,26 +283,38 @@ class SlimDPState(SlimDPCompressor):
         rewrites every parameter: two dense passes over a gradient that is ~98% zeros.
         Fused, each compressed bucket's completion applies ``param[i] = fma(avg_i, -lr,
         param[i])`` at the index set (:func:`slimcomm.ops.sgd_apply_indexed`, the
-        rounding of ``param.add_(grad, alpha=-lr)``) and leaves the bucket as it was;
-        the next ``optimizer.step()`` skips those parameters and steps the others as
+        rounding of ``param.add_(grad, alpha=-lr)`` on fp32) and leaves the bucket as it
+        was; ``optimizer.step()`` then skips those parameters and steps the others as
         usual: the dense warm-up steps, buckets of dense parameters only, parameters the
         hook never synchronised. A parameter that is non-finite on some rank is left
-        unchanged (unfused it would become NaN) and counted in ``stats()``.
+        unchanged (unfused it would become NaN) and counted in :attr:`stats`.
 
-        The training loop stays ``zero_grad(); loss.backward(); optimizer.step()`` and an
-        lr scheduler keeps working (the lr is read from the optimizer at every step).
-        What changes: after ``backward()`` the ``.grad`` of a fused parameter holds this
-        rank's own gradient, not the average, and the update has already been applied,
-        so gradient clipping or any other edit of ``.grad`` before ``step()`` has no
-        effect on it; do not fuse when the loop clips or reads gradients. The fusion is
-        not part of :meth:`state_dict`: after a resume, call ``fuse_sgd`` again with the
-        new optimizer.
+        Buckets of non-fp32 parameters, and buckets whose optimizer groups are not plain
+        SGD or do not share one lr at that step (e.g. momentum switched on later), are
+        synchronised unfused for that step (the bucket written, the optimizer steps
+        them; one logged warning per reason): the update is always torch's.
+
+        The loop stays ``zero_grad(); loss.backward(); optimizer.step()``. What changes:
+
+        * the update of a fused parameter happens **during** ``backward()``, with the lr
+          in effect then: set this step's lr before ``backward()`` (an lr scheduler
+          stepped after ``optimizer.step()``, the usual order, does); gradient clipping
+          or any edit of ``.grad`` before ``step()`` no longer affects it, and its
+          ``.grad`` holds this rank's own gradient, not the average;
+        * one ``backward()`` per ``step()``: accumulate micro-batches inside
+          ``ddp.no_sync()`` (each synchronised backward applies an update, whether
+          ``step()`` is called or not); ``step(closure)`` is refused;
+        * under ``ddp.join()`` a rank that ran out of data still applies the average
+          (unfused it would not step);
+        * not part of :meth:`state_dict`, and :meth:`attach` drops it: call
+          ``fuse_sgd`` again after a resume or a re-attach.
 
         Args:
-            optimizer: a ``torch.optim.SGD`` over the attached model's parameters, every
-                group with ``momentum=0, dampening=0, weight_decay=0, nesterov=False,
-                maximize=False`` and a float lr (the parameters of one bucket sharing
-                one lr); ``None`` undoes a previous call.
+            optimizer: a ``torch.optim.SGD`` (not a subclass) over the attached model's
+                trainable parameters, every group with ``momentum=0, weight_decay=0,
+                nesterov=False, maximize=False`` and a float lr at this call; ``None``
+                undoes a previous call. The optimizer's ``step`` is wrapped on the
+                instance (``fuse_sgd(None)`` unwraps it).
 
         Returns:
             ``self``.
@@ -303,36 +322,43 @@ class SlimDPState(SlimDPCompressor):
         Raises:
             RuntimeError: the state is not attached.
             TypeError: ``optimizer`` is not a ``torch.optim.SGD``.
-            ValueError: a group's setting is not plain SGD, its lr is a tensor, the
-                optimizer does not hold every attached parameter, ``index_mode`` is not
-                ``"shared"``, ``delay_steps=1``, or a GradScaler is attached. The
-                settings are checked again at every step (a ValueError from the hook).
+            ValueError: a group's setting is not plain SGD or its lr is a tensor, the
+                optimizer does not hold every trainable attached parameter (the message
+                names them), ``index_mode`` is not ``"shared"``, ``delay_steps=1``, or a
+                GradScaler is attached. A refused call leaves an earlier fusion in place.
         """
         from ._fused_sgd import _FusedSGD
 
+        new = None
+        if optimizer is not None:
+            if not self._params:
+                raise RuntimeError("SlimDPState.fuse_sgd: attach(model) first")
+            if self.index_mode != "shared":
+                raise ValueError(f"SlimDPState.fuse_sgd: index_mode={self.index_mode!r}; the "
+                                 f"fused step needs the shared index set (index_mode='shared')")
+            if self.delay_steps:
+                raise ValueError("SlimDPState.fuse_sgd: delay_steps=1 hands DDP the previous "
+                                 "step's average; the fused step needs delay_steps=0")
+            if self._scaler is not None:
+                raise ValueError("SlimDPState.fuse_sgd: a GradScaler is attached; its skip of an "
+                                 "overflowing step would come after the fused update")
+            new = _FusedSGD(optimizer, dict(enumerate(self._params)), self._names)
         if self._fused is not None:
             self._fused.remove()
-            self._fused = None
-        if optimizer is None:
-            return self
-        if not self._params:
-            raise RuntimeError("SlimDPState.fuse_sgd: attach(model) first")
-        if self.index_mode != "shared":
-            raise ValueError(f"SlimDPState.fuse_sgd: index_mode={self.index_mode!r}; the fused "
-                             f"step needs the shared index set (index_mode='shared')")
-        if self.delay_steps:
-            raise ValueError("SlimDPState.fuse_sgd: delay_steps=1 hands DDP the previous "
-                             "step's average; the fused step needs delay_steps=0")
-        if self._scaler is not None:
-            raise ValueError("SlimDPState.fuse_sgd: a GradScaler is attached; its skip of an "
-                             "overflowing step would come after the fused update")
-        self._fused = _FusedSGD(optimizer, dict(enumerate(self._params)))
+        self._fused = new
+        if new is not None:
+            new.install()
         return self
 
     def _fused_sgd(self, layout):
         if self._fused is None:
             return None
-        return self._fused.for_layout(tuple(layout.positions))
+        return self._fused.for_layout(tuple(layout.positions), layout.dtype)
+
+    def end_step(self) -> None:
+        if self._fused is not None:
+            self._fused.end_step()
+        super().end_step()
 
     def _bucket_key(self, bucket: dist.GradBucket) -> Tuple[int, ...]:
         """Positions of the bucket's parameters; RuntimeError if foreign."""

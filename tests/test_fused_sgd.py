@@ -23,7 +23,8 @@ SMALL_BUCKETS = dict(bucket_cap_mb=0.001)  # several buckets, some of dense para
 STEPS = 10
 
 
-def _train(rank, fused, ddp_kw, sched=False, nan_at=None, view=False):
+def _train(rank, fused, ddp_kw, sched=False, nan_at=None, view=False, momentum_at=None,
+           step_twice=False):
     model = make_model()
     ddp = DDP(model, gradient_as_bucket_view=view, **ddp_kw)
     state = SlimDPState(**BASE).attach(ddp)
@@ -44,8 +45,12 @@ def _train(rank, fused, ddp_kw, sched=False, nan_at=None, view=False):
         x, y = batch(rank, t)
         loss_fn(ddp(x), y).backward()
         opt.step()
+        if step_twice:
+            opt.step()  # the fused parameters stay skipped until the next synchronised step
         if lr_sched is not None:
             lr_sched.step()
+        if momentum_at is not None and t == momentum_at:
+            opt.param_groups[0]["momentum"] = 0.9  # from here on the hook falls back, unfused
         history.append([p.detach().clone() for p in model.parameters()])
     return dict(history=history, nonfinite=state.stats["total"].get("nonfinite_params"),
                 stats=state.stats["total"])
@@ -58,6 +63,8 @@ def _cases(rank, world_size):
                     ("sched", dict(ddp_kw=SMALL_BUCKETS, sched=True))):
         out[key] = {f: _train(rank, f, **kw) for f in (False, True)}
     out["nan"] = {f: _train(rank, f, dict(), nan_at=6) for f in (False, True)}
+    out["momentum"] = {f: _train(rank, f, SMALL_BUCKETS, momentum_at=5) for f in (False, True)}
+    out["twice"] = {f: _train(rank, f, {}, step_twice=True) for f in (False, True)}
     return out
 
 
@@ -66,7 +73,7 @@ def two():
     return run_workers(_cases, 2, timeout=300)
 
 
-@pytest.mark.parametrize("key", ["small", "one", "view", "sched"])
+@pytest.mark.parametrize("key", ["small", "one", "view", "sched", "momentum"])
 def test_fused_equals_unfused_bit_for_bit_on_every_rank(two, key):
     for rank in range(2):
         plain, fused = two[rank][key][False]["history"], two[rank][key][True]["history"]
@@ -79,6 +86,14 @@ def test_fused_equals_unfused_bit_for_bit_on_every_rank(two, key):
     # the fused runs trained (not a no-op): every parameter moved
     first, last = two[0][key][True]["history"][0], two[0][key][True]["history"][-1]
     assert all(not torch.equal(a, b) for a, b in zip(first, last))
+
+
+def test_step_called_twice_keeps_the_replicas_identical(two):
+    # unfused, a second step() applies the average again; fused, the fused parameters stay
+    # skipped until the next synchronised step (never this rank's own gradient)
+    for t in range(STEPS):
+        for pa, pb in zip(two[0]["twice"][True]["history"][t], two[1]["twice"][True]["history"][t]):
+            assert torch.equal(pa, pb), t
 
 
 def test_nonfinite_parameter_left_unchanged_where_unfused_writes_nan(two):
@@ -202,10 +217,10 @@ def test_fuse_sgd_refusals():
     for kw, needle in ((dict(momentum=0.9), "momentum"), (dict(weight_decay=1e-4), "weight_decay"),
                        (dict(momentum=0.9, nesterov=True), "momentum"),
                        (dict(maximize=True), "maximize"),
-                       (dict(lr=torch.tensor(0.1)), "tensor lr")):
+                       (dict(lr=torch.tensor(0.1)), "a tensor")):
         with pytest.raises(ValueError, match=needle):
             state.fuse_sgd(torch.optim.SGD(model.parameters(), **{"lr": 0.1, **kw}))
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match="scale"):  # the first parameter, by name
         state.fuse_sgd(torch.optim.SGD(list(model.parameters())[1:], lr=0.1))
     with pytest.raises(ValueError, match="index_mode"):
         SlimDPState(**{**BASE, "index_mode": "local"}).attach(model).fuse_sgd(
@@ -220,17 +235,32 @@ def test_fuse_sgd_refusals():
     state.fuse_sgd(opt)
     with pytest.raises(ValueError, match="GradScaler"):
         state.attach_grad_scaler(torch.amp.GradScaler("cpu"))
-    # checked again at each step: a group switched to momentum after fusing
+    # at each step: a group that is no longer plain SGD falls back to the unfused path
     opt.param_groups[0]["momentum"] = 0.9
-    with pytest.raises(ValueError, match="momentum"):
-        state._fused.for_layout((0, 1))
+    assert state._fused.for_layout((0, 1), torch.float32) is None
     opt.param_groups[0]["momentum"] = 0.0
+    assert state._fused.for_layout((0, 1), torch.float32)[1] == 0.1
+    assert state._fused.for_layout((0, 1), torch.bfloat16) is None       # fp32 only
     groups = [{"params": [p], "lr": 0.1 * (i + 1)} for i, p in enumerate(model.parameters())]
     state.fuse_sgd(torch.optim.SGD(groups, lr=0.1))
-    with pytest.raises(ValueError, match="different learning rates"):
-        state._fused.for_layout((0, 1))
+    assert state._fused.for_layout((0, 1), torch.float32) is None       # two lrs in one bucket
+    assert state._fused.for_layout((1,), torch.float32)[1] == pytest.approx(0.2)
+    kept = state._fused
+    with pytest.raises(ValueError, match="momentum"):   # a refused re-fuse keeps the old one
+        state.fuse_sgd(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert state._fused is kept
+    state.attach(make_model())                           # re-attach drops the fusion
+    assert state._fused is None
     state.fuse_sgd(None)
     assert state._fused is None and state._fused_sgd(None) is None
+    frozen = make_model()
+    frozen.fc1.bias.requires_grad_(False)                # an optimizer over trainable ones only
+    SlimDPState(**BASE).attach(frozen).fuse_sgd(
+        torch.optim.SGD([p for p in frozen.parameters() if p.requires_grad], lr=0.1))
+    with pytest.raises(TypeError, match="subclass"):
+        class MySGD(torch.optim.SGD):
+            pass
+        SlimDPState(**BASE).attach(frozen).fuse_sgd(MySGD(frozen.parameters(), lr=0.1))
 
 
 def test_step_skips_only_the_fused_groups_and_restores_the_lists():
@@ -238,14 +268,65 @@ def test_step_skips_only_the_fused_groups_and_restores_the_lists():
     state = SlimDPState(**BASE).attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     state.fuse_sgd(opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # wraps opt.step too
     params = list(model.parameters())
     for p in params:
         p.grad = torch.ones_like(p)
     before = [p.detach().clone() for p in params]
-    state._fused.for_layout((0, 1))          # the hook fused fc1 in this backward
+    state._fused.for_layout((0, 1), torch.float32)   # the hook fused fc1 in this backward
+    state._fused.end_step()
     opt.step()
     assert torch.equal(params[0], before[0]) and torch.equal(params[1], before[1])
     assert all(not torch.equal(p, b) for p, b in zip(params[2:], before[2:]))
     assert opt.param_groups[0]["params"] == params   # the full list is back
-    opt.step()                                         # nothing fused since: every parameter steps
+    sched.step()
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0.0)
+    assert opt.param_groups[0]["params"] == params
+
+    def boom(o, args, kwargs):
+        raise KeyError("user pre-hook")
+    h = opt.register_step_pre_hook(boom)
+    with pytest.raises(KeyError):
+        opt.step()
+    h.remove()
+    assert opt.param_groups[0]["params"] == params   # restored although step() raised
+    opt.step()                                         # same synchronised step: still skipped
+    assert torch.equal(params[0], before[0])
+    state._fused.end_step()                            # a step in which nothing was fused
+    opt.step()
     assert not torch.equal(params[0], before[0])
+    state._fused.for_layout((0, 1), torch.float32)
+    state._fused.end_step()
+    state.fuse_sgd(None)  # the wrapper (under the scheduler's) now passes every call through
+    mid = params[0].detach().clone()
+    opt.step()
+    assert not torch.equal(params[0], mid)
+
+
+def test_two_states_on_one_optimizer_keep_its_lists():
+    a, b = make_model(), make_model()
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.5)
+    sa = SlimDPState(**BASE).attach(a).fuse_sgd(opt)
+    sb = SlimDPState(**BASE).attach(b)
+    with pytest.raises(ValueError, match="trainable parameters"):
+        sb.fuse_sgd(torch.optim.SGD(a.parameters(), lr=0.5))
+    sb.fuse_sgd(opt)
+    full = list(opt.param_groups[0]["params"])
+    for p in full:
+        p.grad = torch.ones_like(p)
+    sa._fused.for_layout((0, 1), torch.float32)
+    sa._fused.end_step()
+    sb._fused.for_layout((2, 3), torch.float32)
+    sb._fused.end_step()
+    before = [p.detach().clone() for p in full]
+    opt.step()
+    assert opt.param_groups[0]["params"] == full
+    moved = [not torch.equal(p, q) for p, q in zip(full, before)]
+    n = len(list(a.parameters()))
+    assert moved[:2] == [False, False] and moved[n + 2:n + 4] == [False, False]
+    assert all(moved[2:n]) and moved[n:n + 2] == [True, True]
+    sa.fuse_sgd(None)
+    sb.fuse_sgd(None)
+    opt.step()
+    assert all(not torch.equal(p, q) for p, q in zip(full, before))

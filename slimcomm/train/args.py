@@ -704,16 +704,27 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     # still refuses only what the user gave)
     if args.method == "slimdp" and not given("delay_steps"):
         args.delay_steps = 0
-    fusable = (args.method == "slimdp" and args.optimizer == "sgd" and args.momentum == 0
-               and args.weight_decay == 0 and args.grad_clip == 0 and not args.delay_steps)
+    # what keeps the slimdp hook from fusing the SGD step (SlimDPState.fuse_sgd), if anything
+    unfusable = None
+    if args.method == "slimdp":
+        if args.optimizer != "sgd":
+            unfusable = f"--optimizer {args.optimizer} (the fused step is plain SGD)"
+        elif args.momentum != 0:
+            unfusable = f"--momentum {args.momentum:g}"
+        elif args.weight_decay != 0:
+            unfusable = f"--weight-decay {args.weight_decay:g}"
+        elif args.grad_clip != 0:
+            unfusable = (f"--grad-clip {args.grad_clip:g} (the update is applied inside backward, "
+                         f"before any clipping)")
+        elif args.delay_steps:
+            unfusable = "--delay-steps 1"
     if given("fuse_sgd"):
         if args.method != "slimdp":
             bad(f"--fuse-sgd/--no-fuse-sgd apply to --method slimdp (the Slim-DP DDP hook), not {args.method}")
-        if args.fuse_sgd and not fusable:
-            bad("--fuse-sgd needs plain SGD in the hook: --optimizer sgd with --momentum 0, no weight decay, "
-                "no --grad-clip (the update is applied inside backward) and --delay-steps 0")
+        if args.fuse_sgd and unfusable:
+            bad(f"--fuse-sgd needs plain SGD in the hook; not with {unfusable}")
     elif args.method == "slimdp":
-        args.fuse_sgd = fusable
+        args.fuse_sgd = unfusable is None
     if given("delay_syncs") and args.method not in SYNC_DEFAULTS:
         bad(f"--delay-syncs applies to the optimizer-side methods ({', '.join(SYNC_DEFAULTS)}), "
             f"not {args.method}")
