@@ -176,8 +176,10 @@ def sgd_apply_indexed(
     (same ``avg``, same ``keep_all_zero``, values cast to the parameters' dtype):
     in a *good* segment every ``param_s.flat[i - offsets[s]]`` with ``indices[j] =
     i`` in ``s`` becomes ``fma(g, -lr, param)`` with ``g = avg[j]`` cast to the
-    parameters' dtype, computed in fp32 and rounded to the parameters' dtype (what
-    ``param.add_(grad, alpha=-lr)`` computes on its vectorised path); a segment that
+    parameters' dtype, computed in fp32 and rounded to the parameters' dtype (for fp32
+    parameters what ``param.add_(grad, alpha=-lr)`` computes; for fp16/bf16 ones torch
+    first rounds ``alpha`` to the parameter dtype, so the last bit may differ, and
+    ``SlimDPState.fuse_sgd`` leaves such buckets unfused); a segment that
     is not good (non-finite on some rank, or unused by every rank under
     ``keep_all_zero``) is left unchanged. ``flat`` is the parameter's memory order,
     which is its gradient's order in a DDP bucket.
@@ -192,7 +194,7 @@ def sgd_apply_indexed(
         offsets: 1-D int64 ``[S + 1]``.
         avg: ``[k + S]`` fp32/fp16/bf16, the summed payload ``[values | flags]`` of
             :func:`step_encode` (values already divided by the world size).
-        lr: the learning rate (cast to fp32 like torch's ``alpha``).
+        lr: the learning rate (cast to fp32).
         keep_all_zero: the policy of :func:`step_commit`.
 
     Raises:
