@@ -203,10 +203,6 @@ def test_op_bad_arguments_name_the_argument(mutate, needle):
 # ---------------------------------------------------------------------------
 
 
-def _state(**kw):
-    return SlimDPState(**{**BASE, **kw}).attach(make_model())
-
-
 def test_fuse_sgd_refusals():
     model = make_model()
     with pytest.raises(RuntimeError, match="attach"):
