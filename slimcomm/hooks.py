@@ -151,6 +151,20 @@ class SlimDPState(SlimDPCompressor):
       no rank used, which would be the previous step's average; refused by
       :meth:`attach` when it is given the DDP instance). See
       :mod:`slimcomm.compressor.transports.delayed`.
+    * ``allreduce_algorithm`` (default ``"backend"``): how each compressed bucket's values
+      are summed (``delay_steps=0``, ``index_mode="shared"``; warm-up steps and buckets of
+      dense parameters always use the process group's ``all_reduce``). ``"backend"``: the
+      process group's ``all_reduce`` (gloo: a ring, ``2 (W-1)`` sequential hops of latency;
+      NCCL: its own ring/tree). ``"two_shot"``: two all-to-all exchanges
+      (:func:`slimcomm._comm.two_shot_all_reduce`): the same bytes per rank as a ring but
+      2 hops of latency, and a sum in fp32 in rank order rounded once to the wire dtype
+      (a ring rounds at every hop), identical on every rank whatever the bucketing. Meant
+      for links with a large one-way delay (10-100 ms between sites), where a ring's
+      ``2 (W-1)`` delays per step dominate. The first exchange is waited for inside the
+      hook (with gloo the backward pass blocks on it, so earlier buckets no longer overlap
+      with the rest of backward). Not the default: on this project's 2-core test machine
+      (8 ranks on emulated 1 Gbit/s links, no added delay) it made the MLP's step slower,
+      240 ms against 150 ms (issue 31 closing note); on loopback the two were within noise.
     * ``model`` (default ``None``): shortcut for :meth:`attach`.
 
     State (per parameter, keyed by its position in ``model.parameters()``):
@@ -221,13 +235,14 @@ class SlimDPState(SlimDPCompressor):
         model: Optional[nn.Module] = None,
         error_decay: float = 1.0,
         delay_steps: int = 0,
+        allreduce_algorithm: str = "backend",
     ):
         super().__init__(
             process_group=process_group, core_ratio=core_ratio, explore_ratio=explore_ratio,
             core_refresh=core_refresh, warmup_steps=warmup_steps, score=score,
             index_mode=index_mode, error_feedback=error_feedback, error_decay=error_decay,
             value_dtype=value_dtype, seed=seed, check_agreement_every=check_agreement_every,
-            delay_steps=delay_steps)
+            delay_steps=delay_steps, allreduce_algorithm=allreduce_algorithm)
         self._fused = None
         if model is not None:
             self.attach(model)

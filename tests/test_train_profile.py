@@ -45,6 +45,9 @@ def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
 @pytest.mark.parametrize("argv,needle", [
     (["--method", "ddp", "--delay-steps", "1"], "--delay-steps"),
     (["--method", "topk", "--delay-steps", "0"], "--delay-steps"),
+    (["--method", "ddp", "--allreduce-algorithm", "two_shot"], "--allreduce-algorithm"),
+    (["--method", "diloco", "--allreduce-algorithm", "backend"], "--allreduce-algorithm"),
+    (["--method", "slimdp", "--allreduce-algorithm", "ring"], "--allreduce-algorithm"),
     (["--method", "ist", "--profile"], "--profile"),
     (["--method", "slimdp", "--delay-syncs", "1"], "--delay-syncs"),
     (["--method", "ddp", "--delay-syncs", "0"], "--delay-syncs"),

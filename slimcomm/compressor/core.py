@@ -51,7 +51,10 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
     otherwise codes at sparse index sets are all-gathered), ``delay_steps`` (0 or 1; 1
     only in the DDP hook, :class:`slimcomm.hooks.SlimDPState`: each step's all-reduce is
     applied one step later, overlapping the next step's computation; see
-    :mod:`.transports.delayed`).
+    :mod:`.transports.delayed`), ``allreduce_algorithm`` (how the values at a shared
+    index set are summed: ``"backend"``, the process group's ``all_reduce`` (gloo: a ring,
+    ``2 (W-1)`` hops of latency); ``"two_shot"``, two direct all-to-all exchanges of the
+    same bytes (2 hops; :func:`slimcomm._comm.two_shot_all_reduce`)).
 
     Hyperparameters are fixed at construction: assigning one raises
     ``AttributeError`` (the cached layouts and every rank's index sets depend
@@ -93,6 +96,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         "_hp_quant_chunk",
         "_hp_lowbit_collective",
         "_hp_delay_steps",
+        "_hp_allreduce_algorithm",
         # internal state
         "step",
         "_positions",   # id(param) -> position in model.parameters()
@@ -141,11 +145,13 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         quant_chunk: int = 4096,
         lowbit_collective: str = "all_gather",
         delay_steps: int = 0,
+        allreduce_algorithm: str = "backend",
     ):
         self._check_hyperparameters(process_group, core_ratio, explore_ratio, core_refresh,
                                     warmup_steps, score, index_mode, error_feedback,
                                     error_decay, value_dtype, seed, check_agreement_every,
-                                    value_bits, quant_chunk, lowbit_collective, delay_steps)
+                                    value_bits, quant_chunk, lowbit_collective, delay_steps,
+                                    allreduce_algorithm)
         self._hp_process_group = process_group
         self._hp_core_ratio = float(core_ratio)
         self._hp_explore_ratio = float(explore_ratio)
@@ -162,6 +168,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         self._hp_quant_chunk = quant_chunk
         self._hp_lowbit_collective = lowbit_collective
         self._hp_delay_steps = delay_steps
+        self._hp_allreduce_algorithm = allreduce_algorithm
         self._server_loaded: Dict[Tuple[int, ...], torch.Tensor] = {}
         self.step = 0
         self._positions: Dict[int, int] = {}

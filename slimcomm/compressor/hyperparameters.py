@@ -10,6 +10,7 @@ from ..codec import BITS
 
 _VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOWBIT_COLLECTIVES = ("all_gather", "all_reduce")
+ALLREDUCE_ALGORITHMS = ("backend", "two_shot")
 
 
 class _Frozen:
@@ -59,7 +60,7 @@ class _HyperparametersMixin:
     _HYPERPARAMETERS = ("core_ratio", "explore_ratio", "core_refresh", "warmup_steps", "score",
                         "index_mode", "error_feedback", "error_decay", "value_dtype", "seed",
                         "check_agreement_every", "value_bits", "quant_chunk",
-                        "lowbit_collective", "delay_steps")
+                        "lowbit_collective", "delay_steps", "allreduce_algorithm")
     # Subclasses that can apply a step's average one step later (the DDP hook) set this.
     _DELAY_OK = False
 
@@ -79,12 +80,13 @@ class _HyperparametersMixin:
     quant_chunk = _Frozen()
     lowbit_collective = _Frozen()
     delay_steps = _Frozen()
+    allreduce_algorithm = _Frozen()
 
     def _check_hyperparameters(self, process_group, core_ratio, explore_ratio, core_refresh,
                                warmup_steps, score, index_mode, error_feedback, error_decay,
                                value_dtype, seed, check_agreement_every, value_bits,
                                quant_chunk, lowbit_collective="all_gather",
-                               delay_steps=0) -> None:
+                               delay_steps=0, allreduce_algorithm="backend") -> None:
         """Raise ``ValueError`` naming the first constructor argument out of range."""
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, "
@@ -126,6 +128,10 @@ class _HyperparametersMixin:
         if delay_steps and (index_mode != "shared" or value_bits is not None):
             raise ValueError("delay_steps=1 needs index_mode='shared' and float values "
                              "(value_bits=None)")
+        if not isinstance(allreduce_algorithm, str) or \
+                allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"allreduce_algorithm must be one of {ALLREDUCE_ALGORITHMS}, got "
+                             f"{allreduce_algorithm!r}")
         if not _is_int(quant_chunk) or quant_chunk < 1:
             raise ValueError(f"quant_chunk must be an int >= 1, got {quant_chunk!r}")
         if not isinstance(score, str) or score not in ops.SCORES:
@@ -148,4 +154,10 @@ class _HyperparametersMixin:
         return (self.core_ratio, self.explore_ratio, self.core_refresh, self.warmup_steps,
                 self.score, self.index_mode, self.error_feedback, self.error_decay,
                 str(self.value_dtype), self.seed, self.check_agreement_every, self.value_bits,
-                self.quant_chunk, self.lowbit_collective, self.delay_steps)
+                self.quant_chunk, self.lowbit_collective, self.delay_steps,
+                self.allreduce_algorithm)
+
+    def _two_shot(self, world_size: int) -> bool:
+        """Whether the shared index set's all-reduce is the two-shot one
+        (:func:`slimcomm._comm.two_shot_all_reduce`; one rank: nothing to exchange)."""
+        return self.allreduce_algorithm == "two_shot" and world_size > 1

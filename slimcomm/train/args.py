@@ -323,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--delay-steps", type=int, choices=(0, 1), default=None,
                    help="slimdp only: 1 applies each step's all-reduce one step later, so the collective "
                         "overlaps the next step's computation (SlimDPState(delay_steps=)); default 0")
+    g.add_argument("--allreduce-algorithm", choices=("backend", "two_shot"), default=None,
+                   help="slimdp only: how a compressed bucket's values are summed "
+                        "(SlimDPState(allreduce_algorithm=)): the process group's all_reduce (gloo: a ring, "
+                        "2(W-1) hops of latency) or two direct all-to-all exchanges of the same bytes (2 hops; "
+                        "for links with a large one-way delay); default backend")
 
     g = p.add_argument_group("diloco / sparseloco / slimdp-local (slimcomm.optim.SlimDPOptimizer)")
     g.add_argument("--sync-every", type=_positive_int("--sync-every"), default=None,
@@ -700,10 +705,14 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
             f"({', '.join(SYNC_DEFAULTS)}), not {args.method}")
     if given("delay_steps") and args.method != "slimdp":
         bad(f"--delay-steps applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
+    if given("allreduce_algorithm") and args.method != "slimdp":
+        bad(f"--allreduce-algorithm applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
     # the defaults only where the option applies (left unset elsewhere, so that a second call
     # still refuses only what the user gave)
     if args.method == "slimdp" and not given("delay_steps"):
         args.delay_steps = 0
+    if args.method == "slimdp" and not given("allreduce_algorithm"):
+        args.allreduce_algorithm = "backend"
     # what keeps the slimdp hook from fusing the SGD step (SlimDPState.fuse_sgd), if anything
     unfusable = None
     if args.method == "slimdp":

@@ -281,6 +281,8 @@ class _Method:
                     delay_steps=getattr(args, "delay_steps", None) or 0,
                     error_feedback=not args.no_error_feedback,
                 )
+                if m == "slimdp":
+                    kw["allreduce_algorithm"] = getattr(args, "allreduce_algorithm", None) or "backend"
                 self.hook_state = SlimDPState(**kw).attach(model)
                 register(self.hook_state, slim_dp_hook)
             inner = self.opt = _make_optimizer(self.ddp.parameters(), args)

@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PATTERN", "pattern_of", "ring_hops", "LinkModel", "fit_link", "collective_calls", "collectives_per_step",
+__all__ = ["PATTERN", "pattern_of", "ring_hops", "two_shot", "LinkModel", "fit_link", "collective_calls", "collectives_per_step",
            "hops_per_step", "delay_s_at", "delayed_result", "parse_delays", "EMULATED_LINKS", "LINK_NAMES",
            "DEFAULT_RATES", "probe_link", "run_compute_s", "project_result", "add_link_times", "link_result",
            "links_table", "projection_note"]
@@ -93,7 +93,8 @@ def pattern_of(method: str, config: Optional[Dict[str, Any]] = None) -> str:
 def ring_hops(kind: str, world_size: int) -> int:
     """Latency terms (ring hops) one collective call of ``kind`` pays on ``world_size`` ranks:
     ``2 (W-1)`` for a ring all-reduce (reduce-scatter, then all-gather), ``W-1`` for a ring
-    all-gather.
+    all-gather, 2 for the two-shot all-reduce (:func:`slimcomm._comm.two_shot_all_reduce`:
+    two all-to-alls whose messages are all posted at once; the same bytes as a ring).
 
     Raises:
         ValueError: an unknown ``kind`` or ``world_size`` < 1."""
@@ -103,7 +104,9 @@ def ring_hops(kind: str, world_size: int) -> int:
         return 2 * (world_size - 1)
     if kind == "allgather":
         return world_size - 1
-    raise ValueError(f"kind: expected 'allreduce' or 'allgather', got {kind!r}")
+    if kind == "two_shot":
+        return 2 * min(1, world_size - 1)
+    raise ValueError(f"kind: expected 'allreduce', 'allgather' or 'two_shot', got {kind!r}")
 
 
 @dataclass(frozen=True)
@@ -224,10 +227,20 @@ def _buckets(run: Dict) -> int:
     return max(1, math.ceil(float(run["dense_bytes_per_step"]) / cap))
 
 
+def two_shot(run: Dict) -> bool:
+    """Whether a slimdp run summed its compressed buckets with the two-shot all-reduce
+    (``--allreduce-algorithm two_shot``); runs made before the option existed used the
+    backend's ring."""
+    cfg = run.get("config") or {}
+    return run.get("method") == "slimdp" and cfg.get("allreduce_algorithm") == "two_shot" \
+        and int(run["world_size"]) > 1
+
+
 def collective_calls(run: Dict, current_code: bool = False) -> Dict[str, float]:
     """Collective calls one training step issues, per latency class, amortised over the run.
 
-    Returns ``{"allreduce": n, "allgather": m}``: ``n`` calls paying a ring all-reduce's
+    Returns ``{"allreduce": n, "allgather": m}`` (plus ``"two_shot"`` for a slimdp run that used
+    it): ``n`` calls paying a ring all-reduce's
     ``2 (W-1)`` hops, ``m`` paying a ring all-gather's ``W-1`` (an all-to-all counts as one such
     call: its pairwise exchanges are not more than ``W-1`` sequential hops). ``B`` = buckets
     (DDP) or parameter groups (SlimDPOptimizer) of ``bucket_cap_mb``:
@@ -235,7 +248,8 @@ def collective_calls(run: Dict, current_code: bool = False) -> Dict[str, float]:
     * ddp, fp16: ``B`` all-reduces a step;
     * powersgd: ``3 B`` (the uncompressed tensors, P and Q of each bucket);
     * topk (hook, local index sets): ``2 B`` all-gathers (indices and values);
-    * slimdp (hook): ``B`` all-reduces plus its small checksum all-reduces (64-96 bytes; one per
+    * slimdp (hook): ``B`` all-reduces (``"two_shot"`` calls, 2 hops each, where the run summed
+      its values with the two-shot all-reduce: :func:`two_shot`) plus its small checksum all-reduces (64-96 bytes; one per
       bucket at every core refresh and every 100th compressed step): the run's counted
       ``stats["total"]["checks"]`` when recorded, else ``B (1/core_refresh + 1/100)``;
     * ist: per round (``stats["rounds"]`` when recorded, else one per ``local_steps``): one
@@ -279,6 +293,8 @@ def collective_calls(run: Dict, current_code: bool = False) -> Dict[str, float]:
     if m == "slimdp":
         small = (checks / steps if checks is not None
                  else b * (1.0 / max(1, cfg.get("core_refresh") or 10) + 1.0 / _CHECK_EVERY))
+        if two_shot(run):
+            return {"allreduce": small, "allgather": 0.0, "two_shot": b}
         return {"allreduce": b + small, "allgather": 0.0}
     stats = run.get("stats") if isinstance(run.get("stats"), dict) else None
     if m == "ist":

@@ -1,5 +1,6 @@
 """Shared transport (Slim-DP): the values at the index set every rank derives, one
-all-reduce of ``k + m`` values plus the flags; no index travels."""
+all-reduce of ``k + m`` values plus the flags; no index travels. The all-reduce is the
+process group's own or, with ``allreduce_algorithm="two_shot"``, two direct exchanges (:func:`slimcomm._comm.two_shot_all_reduce`)."""
 
 from ... import _comm, ops
 from ..feedback import _commit, _encode
@@ -15,7 +16,12 @@ def _shared(state, layout, buf, world_size, step, weight):
     state._count(layout.numel * buf.element_size(), wire.numel() * wire.element_size(),
                  layout.numel, k, k - n_explore, n_explore)
     fused = state._fused_sgd(layout)  # (parameters, lr) when the hook applies SGD itself
-    fut = _comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
+    if state._two_shot(world_size):
+        fut = _comm.two_shot_all_reduce(
+            wire, state.group, state._timeout,
+            f"{type(state).__name__}: the two-shot all-reduce of {layout.label or 'a group'}")
+    else:
+        fut = _comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
 
     def done(f):
         # f.value() raises if the collective failed: nothing is committed then
