@@ -368,7 +368,7 @@ class SlimDPState(SlimDPCompressor):
     def _fused_sgd(self, layout):
         if self._fused is None:
             return None
-        return self._fused.for_layout(tuple(layout.positions), layout.dtype)
+        return self._fused.for_layout(layout.key, layout.dtype)
 
     def end_step(self) -> None:
         if self._fused is not None:

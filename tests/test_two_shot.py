@@ -67,6 +67,20 @@ def _hook_cases(rank, world_size):
             out[algo, cap] = strip(res)
     out["bf16"] = strip(train_ddp(rank, 8, dict(allreduce_algorithm="two_shot",
                                                 value_dtype=torch.bfloat16), record=False))
+    for fuse in (False, True):  # the fused SGD step reads the two-shot sum like the ring's
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        state = SlimDPState(**BASE, allreduce_algorithm="two_shot").attach(ddp)
+        ddp.register_comm_hook(state, slim_dp_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if fuse:
+            state.fuse_sgd(opt)
+        for t in range(8):
+            opt.zero_grad()
+            x, y = batch(rank, t)
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+        out["fused", fuse] = [p.detach().clone() for p in model.parameters()]
     return out
 
 
@@ -83,6 +97,14 @@ def test_two_shot_hook_replicas_identical_and_layout_invariant(four):
             for a, b in zip(four[rank]["two_shot", cap]["params"], ref):
                 assert torch.equal(a, b), (rank, cap)
         for a, b in zip(four[rank]["bf16"]["params"], four[0]["bf16"]["params"]):
+            assert torch.equal(a, b), rank
+
+
+def test_two_shot_with_the_fused_sgd_step_is_bit_identical(four):
+    for rank in range(4):
+        for a, b in zip(four[rank]["fused", True], four[rank]["fused", False]):
+            assert torch.equal(a, b), rank
+        for a, b in zip(four[rank]["fused", True], four[0]["fused", True]):
             assert torch.equal(a, b), rank
 
 

@@ -96,7 +96,7 @@ class _FeedbackMixin:
             if step not in counted:  # the voided-steps counter, once per step
                 counted.add(step)
                 counter = self._dev_count(void.device)
-            if self._layouts.get(tuple(layout.positions)) is not layout:
+            if self._layouts.get(layout.key) is not layout:
                 if counter is not None:
                     ops.step_undo(void, counter=counter)
                 continue

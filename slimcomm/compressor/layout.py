@@ -67,11 +67,12 @@ class _Layout:
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
         "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum", "shards", "server", "_every",
-        "delayed",
+        "delayed", "key",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
         self.positions = positions
+        self.key = tuple(positions)  # the layout's key in SlimDPCompressor._layouts
         self.numels = numels
         self.names = names
         self.offsets = [0]
