@@ -162,9 +162,12 @@ class SlimDPState(SlimDPCompressor):
       for links with a large one-way delay (10-100 ms between sites), where a ring's
       ``2 (W-1)`` delays per step dominate. The first exchange is waited for inside the
       hook (with gloo the backward pass blocks on it, so earlier buckets no longer overlap
-      with the rest of backward). Not the default: on this project's 2-core test machine
-      (8 ranks on emulated 1 Gbit/s links, no added delay) it made the MLP's step slower,
-      240 ms against 150 ms (issue 31 closing note); on loopback the two were within noise.
+      with the rest of backward: with many buckets on a fast link ``"backend"`` may be
+      faster). Measured (issue 31, ``bench/results/scale/mlp_8ranks_issue31e.md``, 8 ranks
+      on emulated links without added delay, MLP, one bucket, same run): 218-225 ms a step
+      against the ring's 221-238 at 1 Gbit/s, 232-251 against 243-265 at 100 Mbit/s; in the
+      latency projection 3.6 hops a step against 15.6. Not the default yet: the per-step
+      gain is within this machine's noise and models with several buckets are unmeasured.
     * ``model`` (default ``None``): shortcut for :meth:`attach`.
 
     State (per parameter, keyed by its position in ``model.parameters()``):

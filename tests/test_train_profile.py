@@ -48,6 +48,8 @@ def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
     (["--method", "ddp", "--allreduce-algorithm", "two_shot"], "--allreduce-algorithm"),
     (["--method", "diloco", "--allreduce-algorithm", "backend"], "--allreduce-algorithm"),
     (["--method", "slimdp", "--allreduce-algorithm", "ring"], "--allreduce-algorithm"),
+    (["--method", "slimdp", "--allreduce-algorithm", "two_shot", "--delay-steps", "1"],
+     "--allreduce-algorithm two_shot needs --delay-steps 0"),
     (["--method", "ist", "--profile"], "--profile"),
     (["--method", "slimdp", "--delay-syncs", "1"], "--delay-syncs"),
     (["--method", "ddp", "--delay-syncs", "0"], "--delay-syncs"),

@@ -124,6 +124,15 @@ def test_bad_algorithm_names_the_argument(bad):
         SlimDPCompressor(allreduce_algorithm=bad)
 
 
+@pytest.mark.parametrize("kw", [dict(delay_steps=1), dict(index_mode="local")])
+def test_two_shot_refuses_the_paths_it_does_not_serve(kw):
+    with pytest.raises(ValueError, match="allreduce_algorithm='two_shot'"):
+        SlimDPState(allreduce_algorithm="two_shot", **kw)
+    SlimDPState(allreduce_algorithm="backend", **kw)  # the default path takes them
+    with pytest.raises(ValueError, match="allreduce_algorithm='two_shot'"):
+        SlimDPCompressor(allreduce_algorithm="two_shot", value_bits=2)
+
+
 def test_algorithm_is_frozen_and_pickled():
     st = SlimDPState(allreduce_algorithm="two_shot")
     with pytest.raises(AttributeError, match="allreduce_algorithm"):

@@ -132,6 +132,11 @@ class _HyperparametersMixin:
                 allreduce_algorithm not in ALLREDUCE_ALGORITHMS:
             raise ValueError(f"allreduce_algorithm must be one of {ALLREDUCE_ALGORITHMS}, got "
                              f"{allreduce_algorithm!r}")
+        if allreduce_algorithm == "two_shot" and (delay_steps or index_mode != "shared" or
+                                                  value_bits is not None):
+            raise ValueError("allreduce_algorithm='two_shot' sums float values at a shared index "
+                             "set: it needs delay_steps=0, index_mode='shared' and "
+                             "value_bits=None")
         if not _is_int(quant_chunk) or quant_chunk < 1:
             raise ValueError(f"quant_chunk must be an int >= 1, got {quant_chunk!r}")
         if not isinstance(score, str) or score not in ops.SCORES:

@@ -713,6 +713,9 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.delay_steps = 0
     if args.method == "slimdp" and not given("allreduce_algorithm"):
         args.allreduce_algorithm = "backend"
+    if args.method == "slimdp" and args.allreduce_algorithm == "two_shot" and args.delay_steps:
+        bad("--allreduce-algorithm two_shot needs --delay-steps 0 (the delayed all-reduce is the "
+            "process group's own)")
     # what keeps the slimdp hook from fusing the SGD step (SlimDPState.fuse_sgd), if anything
     unfusable = None
     if args.method == "slimdp":

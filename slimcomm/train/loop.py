@@ -295,7 +295,7 @@ def _train(rank, world_size, args, device, backend):
         "stats": method.stats(),
         "profile": profile,
         "env": {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
-                "threads_per_rank": args.threads},
+                "threads_per_rank": args.threads, "cpu": _cpu_model(), "cpus": os.cpu_count()},
     }
     if probe is not None:
         train_projection.add_link_times(result, probe, args.link_times)
@@ -487,3 +487,16 @@ def machine_note(results) -> str:
             f"{os.cpu_count()} cores, {','.join(map(str, threads))} thread(s) per rank, {load} at the end), "
             "so they change with the machine and its load; test acc: the same for the same seed, torch and "
             "threads; MB: exact byte counts, the same on every machine")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; else ``platform.processor()``), for the
+    results' ``env``: timings from runs on different CPUs do not compare."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
