@@ -221,8 +221,11 @@ def test_nodes_topology_gpt_mesh(tmp_path):
         n = r["nodes"]
         assert (n["nodes"], n["ranks_per_node"], n["uplink_iface"]) == (2, 2, ["v0", "v1"])
         assert [w["iface"] for w in r["wire"]] == ["v0", "v0", "v1", "v1"]
-        # what one node sends, the other receives (one link between them)
-        assert n["uplink_tx_bytes"] == n["uplink_rx_bytes"][::-1]
+        # what one node sends, the other receives (one link between them), up to a stray packet
+        # or two the kernel sends on its own (an IPv6 neighbour/router solicitation is ~70 bytes;
+        # CI saw 127306 sent against 127376 received once)
+        for tx, rx in zip(n["uplink_tx_bytes"], n["uplink_rx_bytes"][::-1]):
+            assert abs(tx - rx) <= 512, (n["uplink_tx_bytes"], n["uplink_rx_bytes"])
     # ddp = HSDP: each node's 2 ranks send their fp32 gradient shard every step (2-rank all-reduce: once);
     # the FSDP all-gathers / reduce-scatters inside a node (several times that) are not on the uplink
     payload = 2 * ddp["mesh"]["replicate_bytes_per_rank"]
