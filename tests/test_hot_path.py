@@ -57,7 +57,11 @@ def _hook_counts(rank, world_size, nparams, mode, steps=8, refresh=4):
     model = make_model(nparams)
     ddp = DDP(model, bucket_cap_mb=64)
     delayed = mode == "delayed"  # delay_steps=1: the shared mode, applied one step later
-    state = SlimDPState(core_ratio=0.2, explore_ratio=0.1, core_refresh=refresh,
+    # "mixed": every bias (6 values, k + m = 3 + 3) is a dense segment, every weight (36
+    # values, 18 + 15) a sparse one: the core refresh assembles both kinds in a fixed
+    # number of ops however many parameters the bucket holds
+    ratios = (0.5, 0.4) if mode == "mixed" else (0.2, 0.1)
+    state = SlimDPState(core_ratio=ratios[0], explore_ratio=ratios[1], core_refresh=refresh,
                         warmup_steps=2, index_mode=mode if mode in ("shared", "local") else "shared",
                         delay_steps=int(delayed))
     state.attach(ddp)
@@ -149,7 +153,7 @@ def _check(results, warmup, refresh, budget=BUDGET, refresh_budget=REFRESH_BUDGE
     return per
 
 
-@pytest.mark.parametrize("mode", ["shared", "local", "delayed", "fused"])
+@pytest.mark.parametrize("mode", ["shared", "local", "delayed", "fused", "mixed"])
 def test_hook_step_has_no_host_sync_and_constant_ops(mode):
     results = {n: run_workers(_hook_counts, 2, n, mode, timeout=300)[0] for n in SIZES}
     _check(results, warmup=2, refresh=4)

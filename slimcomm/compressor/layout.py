@@ -67,7 +67,7 @@ class _Layout:
         "core_offsets", "numel", "device", "dtype", "residual", "spare", "G",
         "core", "topk_ks", "has_dense", "names", "pending", "label", "plan",
         "_lengths", "_wcache", "_offsets_t", "qpad", "_cksum", "shards", "server", "_every",
-        "delayed", "key",
+        "delayed", "key", "_dense_core",
     )
 
     def __init__(self, positions, numels, names, ratios, device, dtype, error_feedback):
@@ -115,6 +115,7 @@ class _Layout:
         self._every = None
         # delay_steps=1: the step in flight or the bucket-to-be (transports/delayed.py)
         self.delayed = None
+        self._dense_core = None  # (int64 [sum ks] core template, bool [sum ks] top-k slots)
 
     def spare_buf(self) -> torch.Tensor:
         """The fp32 ``[N]`` scratch that the fused step ops write the next residual into
@@ -144,6 +145,25 @@ class _Layout:
 
     def seg(self, s):
         return self.offsets[s], self.offsets[s + 1]
+
+    def dense_core(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(template, slots)`` of a layout with dense segments, built once: int64
+        ``[sum ks]`` holding every dense segment's bucket-flat indices at its place in the
+        core (the rest unset), and the bool mask of the places the top-k indices of the
+        other segments fill, in segment order (``template.masked_scatter(slots, idx)``
+        is then the whole core in one op, whatever the number of segments)."""
+        if self._dense_core is None:
+            k = self.core_offsets[-1]
+            template = torch.zeros(k, dtype=torch.int64, device=self.device)
+            slots = torch.ones(k, dtype=torch.bool, device=self.device)
+            for s, d in enumerate(self.dense):
+                if d:
+                    a, b = self.core_offsets[s], self.core_offsets[s + 1]
+                    lo, hi = self.seg(s)
+                    template[a:b] = torch.arange(lo, hi, dtype=torch.int64, device=self.device)
+                    slots[a:b] = False
+            self._dense_core = (template, slots)
+        return self._dense_core
 
 
 class _LayoutsMixin:

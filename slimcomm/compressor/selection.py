@@ -61,8 +61,11 @@ class _SelectionMixin:
     def _assemble_core(self, layout: _Layout, idx: torch.Tensor, pending, ks) -> torch.Tensor:
         """Bucket-flat core of every segment: top-k ``idx`` (``ks`` per segment), dense
         segments whole, segments known from ``pending`` as they are."""
-        if pending is None and not layout.has_dense:
-            return idx
+        if pending is None:
+            if not layout.has_dense:
+                return idx
+            template, slots = layout.dense_core()
+            return template.masked_scatter(slots, idx)
         parts, at = [], 0
         for s in range(len(layout.positions)):
             lo, hi = layout.seg(s)

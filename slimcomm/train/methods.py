@@ -314,9 +314,7 @@ class _Method:
             prof.mark("backward")
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        import os
-        if not os.environ.get("HACK_NOSTEP"):
-            self.opt.step()
+        self.opt.step()
         if prof is not None:
             prof.mark("optimizer")
         if self.sched is not None:
