@@ -10,7 +10,6 @@ argument checks) runs the delayed hook with a real learning rate on gloo process
 """
 
 import io
-import os
 
 import pytest
 import torch
@@ -19,9 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_workers
 from test_collective_failures import _outcomes
-from test_hooks import BASE, Net, batch, loss_fn, make_model, make_opt, train_ddp
+from test_hooks import BASE, Net, make_model, make_opt, train_ddp, train_until_a_rank_dies
 from slimcomm.compressor import SlimDPCompressor
-from slimcomm.hooks import SlimDPState, slim_dp_hook
+from slimcomm.hooks import SlimDPState
 from slimcomm.optim import SlimDPOptimizer
 
 DELAY = dict(delay_steps=1)
@@ -121,26 +120,8 @@ def test_delayed_three_ranks_replicas_identical():
 
 
 def _victim(rank, world_size):
-    model = make_model()
-    ddp = DDP(model)
-    state = SlimDPState(**{**BASE, **DELAY}).attach(ddp)
-    ddp.register_comm_hook(state, slim_dp_hook)
-    opt = make_opt(model.parameters())
-    before = None
-    for t in range(8):
-        before = [p.detach().clone() for p in model.parameters()]
-        try:
-            opt.zero_grad()
-            x, y = batch(rank, t)
-            loss_fn(ddp(x), y).backward()
-            if rank == 1 and t == 4:  # dies with its step-4 all-reduce in flight
-                os._exit(3)
-            opt.step()
-        except Exception as exc:  # noqa: BLE001
-            now = list(model.parameters())
-            return dict(raised=True, msg=str(exc), step=t,
-                        unchanged=all(torch.equal(a, b) for a, b in zip(before, now)))
-    return dict(raised=False)
+    # rank 1 dies with its step-4 all-reduce in flight
+    return train_until_a_rank_dies(rank, DELAY, victim=1, at_step=4, before_backward=False)
 
 
 def test_delayed_dead_rank_raises_on_the_survivor():

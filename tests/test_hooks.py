@@ -73,6 +73,40 @@ def make_opt(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def train_until_a_rank_dies(rank, cfg, victim, at_step, before_backward, timeout=None,
+                            steps=8):
+    """Train the hooked Net; rank ``victim`` calls ``os._exit(3)`` at step ``at_step``
+    (before its backward, i.e. before its first collective of the step, or after it, with
+    the step's collectives issued). Returns ``dict(raised=False)`` or, for the step that
+    raised, ``dict(raised=True, msg, step, unchanged)`` (``unchanged``: the parameters are
+    those from before the step)."""
+    import os
+
+    model = make_model()
+    ddp = DDP(model)
+    state = SlimDPState(**{**BASE, **cfg}).attach(ddp)
+    if timeout is not None:
+        state._timeout = timeout
+    ddp.register_comm_hook(state, slim_dp_hook)
+    opt = make_opt(model.parameters())
+    for t in range(steps):
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.zero_grad()
+            x, y = batch(rank, t)
+            if rank == victim and t == at_step and before_backward:
+                os._exit(3)
+            loss_fn(ddp(x), y).backward()
+            if rank == victim and t == at_step:
+                os._exit(3)
+            opt.step()
+        except Exception as exc:  # noqa: BLE001
+            now = list(model.parameters())
+            return dict(raised=True, msg=str(exc), step=t,
+                        unchanged=all(torch.equal(a, b) for a, b in zip(before, now)))
+    return dict(raised=False)
+
+
 def train_ddp(rank, steps, cfg=None, ddp_kw=None, model_kw=None, dtype=torch.float32,
               micro=1, hook=True, record=True, model=None, opt=None, state=None, start=0,
               grad_hook=None):

@@ -9,8 +9,6 @@ to the backend's ring; the projection's hop count; a dead rank in the middle of 
 arguments named; ranks constructed with different algorithms refused on every rank.
 """
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_workers
 from test_collective_failures import _outcomes
-from test_hooks import BASE, batch, loss_fn, make_model, make_opt, strip, train_ddp
+from test_hooks import BASE, batch, loss_fn, make_model, strip, train_ddp, \
+    train_until_a_rank_dies
 from slimcomm import _comm
 from slimcomm.compressor import SlimDPCompressor
 from slimcomm.hooks import SlimDPState, slim_dp_hook
@@ -159,26 +158,9 @@ def test_ranks_with_different_algorithms_are_refused_on_every_rank():
 
 
 def _victim(rank, world_size):
-    model = make_model()
-    ddp = DDP(model)
-    state = SlimDPState(**BASE, allreduce_algorithm="two_shot").attach(ddp)
-    state._timeout = 20.0
-    ddp.register_comm_hook(state, slim_dp_hook)
-    opt = make_opt(model.parameters())
-    for t in range(8):
-        before = [p.detach().clone() for p in model.parameters()]
-        try:
-            opt.zero_grad()
-            x, y = batch(rank, t)
-            if rank == 2 and t == 4:  # dies before its step-4 exchange
-                os._exit(3)
-            loss_fn(ddp(x), y).backward()
-            opt.step()
-        except Exception as exc:  # noqa: BLE001
-            now = list(model.parameters())
-            return dict(raised=True, msg=str(exc), step=t,
-                        unchanged=all(torch.equal(a, b) for a, b in zip(before, now)))
-    return dict(raised=False)
+    # rank 2 dies before its step-4 exchange
+    return train_until_a_rank_dies(rank, dict(allreduce_algorithm="two_shot"), victim=2,
+                                   at_step=4, before_backward=True, timeout=20.0)
 
 
 def test_dead_rank_in_the_two_shot_exchange_raises_on_every_survivor():
