@@ -50,7 +50,10 @@ class Net(nn.Module):
 
 
 D_IN, D_OUT, BATCH = 12, 5, 16
-BASE = dict(core_ratio=0.05, explore_ratio=0.05, core_refresh=3, warmup_steps=2, seed=7)
+# min_compress_numel=0: these small test tensors are compressed too (the hook's default,
+# 2048, would send all of them dense)
+BASE = dict(core_ratio=0.05, explore_ratio=0.05, core_refresh=3, warmup_steps=2, seed=7,
+            min_compress_numel=0)
 
 
 def make_model(dtype=torch.float32, **kw):
@@ -185,7 +188,8 @@ class _Sim:
         out = []
         for i, p in enumerate(self.params):
             n = p.numel()
-            k, m, dense = selection_sizes(n, c["core_ratio"], c["explore_ratio"])
+            k, m, dense = selection_sizes(n, c["core_ratio"], c["explore_ratio"],
+                                          c.get("min_compress_numel", 0))
             g = [local[r][i] for r in range(ws)]
             if t < c["warmup_steps"] and self.wire != torch.bfloat16:
                 avg = self._sum([x / ws for x in g]).to(self.dtype)
@@ -267,6 +271,8 @@ def _two_rank_cases(rank, world_size):
     r["no_sync"] = strip(train_ddp(rank, 6, micro=3))
     r["no_ef"] = strip(train_ddp(rank, 6, dict(error_feedback=False)))
     r["score_grad"] = strip(train_ddp(rank, 6, dict(score="grad")))
+    # fc1.bias (40), fc2.bias, tiny and scale dense; fc1.weight (480), fc2.weight (200) sparse
+    r["min_compress"] = strip(train_ddp(rank, 6, dict(min_compress_numel=41)))
     # One dense step: the first sparse step runs on DDP's rebuilt buckets, G carried over.
     r["warmup1"] = strip(train_ddp(rank, 6, dict(warmup_steps=1, check_agreement_every=1),
                                    ddp_kw=dict(bucket_cap_mb=0.001)))
@@ -446,7 +452,7 @@ def _convergence_case(rank, world_size):
             # At 5% + 5% this task lags dense by ~20% after 300 steps (see the
             # hook benchmark notes); 10% + 10% is the density this test pins.
             state = SlimDPState(core_ratio=0.1, explore_ratio=0.1, core_refresh=20,
-                                warmup_steps=5, model=ddp)
+                                warmup_steps=5, min_compress_numel=0, model=ddp)
             ddp.register_comm_hook(state, slim_dp_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         g = torch.Generator().manual_seed(rank)
@@ -492,27 +498,48 @@ def sim_shared_2():
 
 
 @pytest.mark.parametrize(
-    "numel,cr,er,expected",
+    "numel,cr,er,expected,min_numel",
     [
-        (300, 0.01, 0.01, (3, 3, False)),  # 0.01 * 300 = 3.0000000000000004 must not round up
-        (1000, 0.01, 0.01, (10, 10, False)),
-        (1001, 0.01, 0.01, (11, 11, False)),
-        (5, 0.05, 0.05, (1, 1, False)),  # smaller than 1/ratio: at least 1 each
-        (2, 0.05, 0.05, (2, 0, True)),  # k + m >= numel: dense
-        (1, 0.01, 0.01, (1, 0, True)),  # 0-d parameter
-        (0, 0.01, 0.01, (0, 0, True)),
-        (100, 0.5, 0.5, (100, 0, True)),
-        (100, 0.1, 0.0, (10, 0, False)),
+        (300, 0.01, 0.01, (3, 3, False), 0),  # 0.01 * 300 = 3.0000000000000004 must not round up
+        (1000, 0.01, 0.01, (10, 10, False), 0),
+        (1001, 0.01, 0.01, (11, 11, False), 0),
+        (5, 0.05, 0.05, (1, 1, False), 0),  # smaller than 1/ratio: at least 1 each
+        (2, 0.05, 0.05, (2, 0, True), 0),  # k + m >= numel: dense
+        (1, 0.01, 0.01, (1, 0, True), 0),  # 0-d parameter
+        (0, 0.01, 0.01, (0, 0, True), 0),
+        (100, 0.5, 0.5, (100, 0, True), 0),
+        (100, 0.1, 0.0, (10, 0, False), 0),
+        (2047, 0.01, 0.01, (2047, 0, True), 2048),  # below min_compress_numel: dense
+        (2048, 0.01, 0.01, (21, 21, False), 2048),
+        (0, 0.01, 0.01, (0, 0, True), 2048),
     ],
 )
-def test_selection_sizes(numel, cr, er, expected):
-    assert selection_sizes(numel, cr, er) == expected
+def test_selection_sizes(numel, cr, er, expected, min_numel):
+    assert selection_sizes(numel, cr, er, min_numel) == expected
+    if not min_numel:
+        assert selection_sizes(numel, cr, er) == expected
+
+
+def test_min_compress_numel_defaults_and_checkpoints():
+    from slimcomm.compressor import SlimDPCompressor
+
+    assert SlimDPState().min_compress_numel == 2048  # the DDP hook sends small tensors whole
+    assert SlimDPCompressor().min_compress_numel == 0
+    assert "min_compress_numel" in SlimDPState._HYPERPARAMETERS
+    with pytest.raises(ValueError, match="min_compress_numel"):
+        SlimDPState(min_compress_numel=0).load_state_dict(SlimDPState().state_dict())
+    with pytest.raises(AttributeError):
+        SlimDPState().min_compress_numel = 1
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="min_compress_numel"):
+            SlimDPState(min_compress_numel=bad)
 
 
 @pytest.mark.parametrize("args,name", [
     ((-1, 0.01, 0.01), "numel"), ((1.5, 0.01, 0.01), "numel"),
     ((100, 0.0, 0.01), "core_ratio"), ((100, 1.01, 0.0), "core_ratio"),
     ((100, 0.01, -0.5), "explore_ratio"), ((100, 0.01, float("nan")), "explore_ratio"),
+    ((100, 0.01, 0.01, -1), "min_compress_numel"), ((100, 0.01, 0.01, True), "min_compress_numel"),
 ])
 def test_selection_sizes_bad_arguments(args, name):
     with pytest.raises(ValueError, match=name):
@@ -631,6 +658,7 @@ def test_local_mode_matches_simulation(two):
 @pytest.mark.parametrize("case,cfg", [
     ("no_ef", dict(error_feedback=False)),
     ("score_grad", dict(score="grad")),
+    ("min_compress", dict(min_compress_numel=41)),
     ("warmup1", dict(warmup_steps=1)),
     ("warmup1_cap25", dict(warmup_steps=1)),
     ("local_weight", dict(index_mode="local", score="weight", explore_ratio=0.0)),
@@ -641,6 +669,10 @@ def test_options_match_simulation(two, case, cfg):
         assert_grads_match(two[rank][case]["grads"], sim, exact=True)
     if case == "no_ef":
         assert all(p["residual"] is None for p in two[0][case]["state"]["params"].values())
+    if case == "min_compress":  # the small parameters travel whole at compressed steps
+        for step in two[0][case]["grads"][2:]:
+            by_size = {g.numel(): g for g in step if g is not None}
+            assert by_size[40].count_nonzero() == 40 and by_size[480].count_nonzero() < 480
 
 
 def test_three_ranks_match_simulation(three):

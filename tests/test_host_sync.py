@@ -73,7 +73,7 @@ def _hook_body(rank, world_size, device, mode, steps=9, warmup=2, refresh=3):
     model = _mlp(dev)
     ddp = DDP(model, bucket_cap_mb=1, device_ids=[0] if dev.type == "cuda" else None)
     state = SlimDPState(core_ratio=0.1, explore_ratio=0.05, core_refresh=refresh,
-                        warmup_steps=warmup, index_mode=mode)
+                        warmup_steps=warmup, index_mode=mode, min_compress_numel=0)
     state.attach(ddp)
     counter = OpCounter()
     checked = []
@@ -205,7 +205,7 @@ def _hook_body_plain(rank, world_size, mode):
     model = _mlp(dev)
     ddp = DDP(model, bucket_cap_mb=1, device_ids=[0])
     state = SlimDPState(core_ratio=0.1, explore_ratio=0.05, core_refresh=3,
-                        warmup_steps=2, index_mode=mode)
+                        warmup_steps=2, index_mode=mode, min_compress_numel=0)
     state.attach(ddp)
     ddp.register_comm_hook(state, slim_dp_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -63,7 +63,7 @@ def _hook_counts(rank, world_size, nparams, mode, steps=8, refresh=4):
     ratios = (0.5, 0.4) if mode == "mixed" else (0.2, 0.1)
     state = SlimDPState(core_ratio=ratios[0], explore_ratio=ratios[1], core_refresh=refresh,
                         warmup_steps=2, index_mode=mode if mode in ("shared", "local") else "shared",
-                        delay_steps=int(delayed))
+                        delay_steps=int(delayed), min_compress_numel=0)
     state.attach(ddp)
     rows = []
     counter = OpCounter()

@@ -149,6 +149,7 @@ class _CheckpointMixin:
             "index_mode": self.index_mode,
             "error_decay": self.error_decay,
             "delay_steps": self.delay_steps,
+            "min_compress_numel": self.min_compress_numel,
             "stats": self.stats,
             "params": params,
             "server_residuals": [{"positions": list(k), "residual": t} for k, t in server.items()],
@@ -173,7 +174,8 @@ class _CheckpointMixin:
 
         Raises:
             ValueError: unknown ``version``; ``seed``, ratios, ``core_refresh``,
-                ``warmup_steps``, ``score``, ``index_mode`` or ``delay_steps`` differ from this
+                ``warmup_steps``, ``score``, ``index_mode``, ``delay_steps`` or
+                ``min_compress_numel`` differ from this
                 state's (they determine the index sets); a malformed entry
                 (``step`` not an int >= 0, a core index outside its parameter,
                 tensors of the wrong size or dtype); a parameter entry whose
@@ -200,9 +202,10 @@ class _CheckpointMixin:
         step = state_dict["step"]
         if not _is_int(step) or step < 0:
             raise ValueError(f"state_dict: step must be an int >= 0, got {step!r}")
-        optional = {"error_decay": 1.0, "delay_steps": 0}  # absent from older states
+        # absent from older states (saved with these values)
+        optional = {"error_decay": 1.0, "delay_steps": 0, "min_compress_numel": 0}
         for key in ("seed", "core_ratio", "explore_ratio", "core_refresh", "warmup_steps",
-                    "score", "index_mode", "error_decay", "delay_steps"):
+                    "score", "index_mode", "error_decay", "delay_steps", "min_compress_numel"):
             saved = state_dict.get(key, optional[key]) if key in optional else state_dict[key]
             if saved != getattr(self, key):
                 raise ValueError(

@@ -54,7 +54,9 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
     :mod:`.transports.delayed`), ``allreduce_algorithm`` (how the values at a shared
     index set are summed: ``"backend"``, the process group's ``all_reduce`` (gloo: a ring,
     ``2 (W-1)`` hops of latency); ``"two_shot"``, two direct all-to-all exchanges of the
-    same bytes (2 hops; :func:`slimcomm._comm.two_shot_all_reduce`)).
+    same bytes (2 hops; :func:`slimcomm._comm.two_shot_all_reduce`)),
+    ``min_compress_numel`` (int >= 0, default 0: a parameter with fewer elements is sent
+    whole, dense, inside the same packed buffer; the DDP hook's default is 2048).
 
     Hyperparameters are fixed at construction: assigning one raises
     ``AttributeError`` (the cached layouts and every rank's index sets depend
@@ -97,6 +99,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         "_hp_lowbit_collective",
         "_hp_delay_steps",
         "_hp_allreduce_algorithm",
+        "_hp_min_compress_numel",
         # internal state
         "step",
         "_positions",   # id(param) -> position in model.parameters()
@@ -146,12 +149,13 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         lowbit_collective: str = "all_gather",
         delay_steps: int = 0,
         allreduce_algorithm: str = "backend",
+        min_compress_numel: int = 0,
     ):
         self._check_hyperparameters(process_group, core_ratio, explore_ratio, core_refresh,
                                     warmup_steps, score, index_mode, error_feedback,
                                     error_decay, value_dtype, seed, check_agreement_every,
                                     value_bits, quant_chunk, lowbit_collective, delay_steps,
-                                    allreduce_algorithm)
+                                    allreduce_algorithm, min_compress_numel)
         self._hp_process_group = process_group
         self._hp_core_ratio = float(core_ratio)
         self._hp_explore_ratio = float(explore_ratio)
@@ -169,6 +173,7 @@ class SlimDPCompressor(_HyperparametersMixin, _LayoutsMixin, _SelectionMixin, _F
         self._hp_lowbit_collective = lowbit_collective
         self._hp_delay_steps = delay_steps
         self._hp_allreduce_algorithm = allreduce_algorithm
+        self._hp_min_compress_numel = min_compress_numel
         self._server_loaded: Dict[Tuple[int, ...], torch.Tensor] = {}
         self.step = 0
         self._positions: Dict[int, int] = {}

@@ -60,7 +60,8 @@ class _HyperparametersMixin:
     _HYPERPARAMETERS = ("core_ratio", "explore_ratio", "core_refresh", "warmup_steps", "score",
                         "index_mode", "error_feedback", "error_decay", "value_dtype", "seed",
                         "check_agreement_every", "value_bits", "quant_chunk",
-                        "lowbit_collective", "delay_steps", "allreduce_algorithm")
+                        "lowbit_collective", "delay_steps", "allreduce_algorithm",
+                        "min_compress_numel")
     # Subclasses that can apply a step's average one step later (the DDP hook) set this.
     _DELAY_OK = False
 
@@ -81,12 +82,14 @@ class _HyperparametersMixin:
     lowbit_collective = _Frozen()
     delay_steps = _Frozen()
     allreduce_algorithm = _Frozen()
+    min_compress_numel = _Frozen()
 
     def _check_hyperparameters(self, process_group, core_ratio, explore_ratio, core_refresh,
                                warmup_steps, score, index_mode, error_feedback, error_decay,
                                value_dtype, seed, check_agreement_every, value_bits,
                                quant_chunk, lowbit_collective="all_gather",
-                               delay_steps=0, allreduce_algorithm="backend") -> None:
+                               delay_steps=0, allreduce_algorithm="backend",
+                               min_compress_numel=0) -> None:
         """Raise ``ValueError`` naming the first constructor argument out of range."""
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(f"process_group must be a torch.distributed.ProcessGroup or None, "
@@ -137,6 +140,9 @@ class _HyperparametersMixin:
             raise ValueError("allreduce_algorithm='two_shot' sums float values at a shared index "
                              "set: it needs delay_steps=0, index_mode='shared' and "
                              "value_bits=None")
+        if not _is_int(min_compress_numel) or min_compress_numel < 0:
+            raise ValueError(f"min_compress_numel must be an int >= 0, got "
+                             f"{min_compress_numel!r}")
         if not _is_int(quant_chunk) or quant_chunk < 1:
             raise ValueError(f"quant_chunk must be an int >= 1, got {quant_chunk!r}")
         if not isinstance(score, str) or score not in ops.SCORES:
@@ -160,7 +166,7 @@ class _HyperparametersMixin:
                 self.score, self.index_mode, self.error_feedback, self.error_decay,
                 str(self.value_dtype), self.seed, self.check_agreement_every, self.value_bits,
                 self.quant_chunk, self.lowbit_collective, self.delay_steps,
-                self.allreduce_algorithm)
+                self.allreduce_algorithm, self.min_compress_numel)
 
     def _two_shot(self, world_size: int) -> bool:
         """Whether the shared index set's all-reduce is the two-shot one

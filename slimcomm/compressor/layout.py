@@ -10,7 +10,8 @@ import torch
 from ..agreement import agree_across_ranks
 
 
-def selection_sizes(numel: int, core_ratio: float, explore_ratio: float) -> Tuple[int, int, bool]:
+def selection_sizes(numel: int, core_ratio: float, explore_ratio: float,
+                    min_compress_numel: int = 0) -> Tuple[int, int, bool]:
     """Core size ``k``, explore size ``m`` and the dense flag of one parameter.
 
     ``k = max(1, ceil(core_ratio * numel))``; ``m = max(1, ceil(explore_ratio *
@@ -18,12 +19,15 @@ def selection_sizes(numel: int, core_ratio: float, explore_ratio: float) -> Tupl
     to 6 decimals before the ceiling so that float noise (``0.01 * 300 =
     3.0000000000000004``) does not add an element. When ``k + m >= numel``
     the parameter is *dense*: all ``numel`` coordinates are sent and
-    ``(numel, 0, True)`` is returned.
+    ``(numel, 0, True)`` is returned; so is a parameter with fewer than
+    ``min_compress_numel`` elements (small tensors sent whole, as PowerSGD sends
+    vectors uncompressed, Vogels et al. 2019, Sec. 4).
 
     Args:
         numel: number of elements of the parameter, ``>= 0``.
         core_ratio: fraction in ``(0, 1]``.
         explore_ratio: fraction in ``[0, 1]``.
+        min_compress_numel: int ``>= 0``; parameters with fewer elements are dense.
 
     Returns:
         ``(k, m, dense)``.
@@ -38,6 +42,11 @@ def selection_sizes(numel: int, core_ratio: float, explore_ratio: float) -> Tupl
         raise ValueError(f"core_ratio must be in (0, 1], got {core_ratio!r}")
     if not 0 <= explore_ratio <= 1:
         raise ValueError(f"explore_ratio must be in [0, 1], got {explore_ratio!r}")
+    if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or \
+            min_compress_numel < 0:
+        raise ValueError(f"min_compress_numel must be an int >= 0, got {min_compress_numel!r}")
+    if numel < min_compress_numel:
+        return numel, 0, True
     k = max(1, math.ceil(round(core_ratio * numel, 6)))
     m = max(1, math.ceil(round(explore_ratio * numel, 6))) if explore_ratio > 0 else 0
     if k + m >= numel:
@@ -211,7 +220,8 @@ class _LayoutsMixin:
             self._check_owner()
             layout = _Layout(
                 list(key), [self._numels[i] for i in key], [self._names[i] for i in key],
-                (self.core_ratio, self.explore_ratio), dev, dtype, self.error_feedback,
+                (self.core_ratio, self.explore_ratio, self.min_compress_numel), dev, dtype,
+                self.error_feedback,
             )
             layout.label = label
         except RuntimeError as exc:

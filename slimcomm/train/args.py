@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-steps", type=_int_in("--warmup-steps", 1), default=1,
                    help="dense all-reduce steps first, in --value-dtype (>= 1: G starts from a dense average)")
     g.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="dtype of values on the wire")
+    g.add_argument("--min-compress-numel", type=_nonneg_int("--min-compress-numel"), default=None,
+                   help="parameters with fewer elements are sent whole (SlimDPState(min_compress_numel=); "
+                        "default 2048; 0 compresses every parameter)")
     g.add_argument("--fuse-sgd", action=argparse.BooleanOptionalAction, default=None,
                    help="slimdp only: the hook applies plain SGD at the index set itself "
                         "(SlimDPState.fuse_sgd: no dense bucket write, no dense optimizer pass); default: "
@@ -705,6 +708,8 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
             f"({', '.join(SYNC_DEFAULTS)}), not {args.method}")
     if given("delay_steps") and args.method != "slimdp":
         bad(f"--delay-steps applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
+    if given("min_compress_numel") and args.method not in ("slimdp", "topk"):
+        bad(f"--min-compress-numel applies to the Slim-DP hook (slimdp, topk), not {args.method}")
     if given("allreduce_algorithm") and args.method != "slimdp":
         bad(f"--allreduce-algorithm applies to --method slimdp (the Slim-DP DDP hook), not {args.method}")
     # the defaults only where the option applies (left unset elsewhere, so that a second call

@@ -281,6 +281,8 @@ class _Method:
                     delay_steps=getattr(args, "delay_steps", None) or 0,
                     error_feedback=not args.no_error_feedback,
                 )
+                if getattr(args, "min_compress_numel", None) is not None:
+                    kw["min_compress_numel"] = args.min_compress_numel
                 if m == "slimdp":
                     kw["allreduce_algorithm"] = getattr(args, "allreduce_algorithm", None) or "backend"
                 self.hook_state = SlimDPState(**kw).attach(model)
