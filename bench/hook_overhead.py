@@ -79,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=6,
                    help="untimed steps per method (>= every method's dense warm-up)")
     p.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
+    p.add_argument("--min-compress-numel", type=int, default=2048,
+                   help="SlimDPState(min_compress_numel=): smaller parameters are sent whole")
     p.add_argument("--core-ratio", type=float, default=0.01)
     p.add_argument("--explore-ratio", type=float, default=0.01)
     p.add_argument("--core-refresh", type=int, default=50)
@@ -154,6 +156,7 @@ class Runner:
             self.state = SlimDPState(
                 core_ratio=args.core_ratio, explore_ratio=args.explore_ratio,
                 core_refresh=args.core_refresh, warmup_steps=2,
+                min_compress_numel=args.min_compress_numel,
                 index_mode="shared" if method == "slim_shared" else "local", model=self.ddp)
             self.ddp.register_comm_hook(self.state, self._counted(slim_dp_hook))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
@@ -313,7 +316,8 @@ def _breakdown(args, dev):
     for n in numels:
         offsets.append(offsets[-1] + n)
     N = offsets[-1]
-    sizes = [selection_sizes(n, args.core_ratio, args.explore_ratio) for n in numels]
+    sizes = [selection_sizes(n, args.core_ratio, args.explore_ratio, args.min_compress_numel)
+             for n in numels]
     ks = [0 if d else k for k, _, d in sizes]
     ms = [m for _, m, _ in sizes]
     grad = torch.randn(N)
@@ -373,7 +377,8 @@ def worker(rank, world_size, args, init_file, q):
                                 world_size=world_size, timeout=timedelta(seconds=args.timeout))
         results = run_all(rank, args)
         n = results[0]["numel"]
-        k = sum(k + m for k, m, _ in (selection_sizes(p.numel(), args.core_ratio, args.explore_ratio)
+        k = sum(k + m for k, m, _ in (selection_sizes(p.numel(), args.core_ratio, args.explore_ratio,
+                                                      args.min_compress_numel)
                                       for p in make_mlp(args.sizes).parameters()))
         dev = device_of(rank, args)
         if dev.type == "cuda":
@@ -454,7 +459,8 @@ Setup: {args.world_size} ranks, {args.backend} over loopback, {args.threads} tor
 device {args.device}{gpu}.
 MLP {'-'.join(map(str, args.sizes))} ({numel:,} parameters), batch {args.batch} per rank,
 SGD momentum 0.9, bucket_cap_mb {args.bucket_cap_mb}. Slim-DP: core {args.core_ratio},
-explore {args.explore_ratio}, core_refresh {args.core_refresh}, warm-up 2 steps;
+explore {args.explore_ratio}, core_refresh {args.core_refresh}, warm-up 2 steps,
+parameters under {args.min_compress_numel} elements sent whole;
 PowerSGD rank {args.powersgd_rank} (error feedback, warm start).
 Timed {args.steps} steps per method after {args.warmup} untimed steps, methods interleaved
 in blocks of 5 steps (median and mean, rank 0; the timed window includes core refreshes,

@@ -45,7 +45,8 @@ elements) and per synchronised step ``t``:
    zeroed.
 
 ``k, m = selection_sizes(n, core_ratio, explore_ratio, min_compress_numel)``; a
-parameter with ``k + m >= n`` or fewer than ``min_compress_numel`` elements is sent densely inside the same packed buffer, and a bucket of
+parameter with ``k + m >= n`` or fewer than ``min_compress_numel`` elements is sent
+densely inside the same packed buffer, and a bucket of
 only such parameters is a plain all-reduce (bit-identical to DDP's default
 hook; in ``index_mode="local"``, the local mode's all-gather and fp32
 scatter-add without the indices, as beside sparse parameters). Everything is per parameter, so the result does not depend on how DDP

@@ -530,6 +530,13 @@ def test_min_compress_numel_defaults_and_checkpoints():
         SlimDPState(min_compress_numel=0).load_state_dict(SlimDPState().state_dict())
     with pytest.raises(AttributeError):
         SlimDPState().min_compress_numel = 1
+    # a pickle from before the hyperparameter existed (no key in it nor in its state_dict)
+    # compressed every parameter: it comes back with 0 and loads
+    old = SlimDPState().__getstate__()
+    del old["hyperparameters"]["min_compress_numel"], old["state"]["min_compress_numel"]
+    back = SlimDPState.__new__(SlimDPState)
+    back.__setstate__(old)
+    assert back.min_compress_numel == 0
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="min_compress_numel"):
             SlimDPState(min_compress_numel=bad)

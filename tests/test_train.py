@@ -494,6 +494,11 @@ def test_gpt_and_mlp_defaults():
         assert T.apply_method_defaults(argparse.Namespace(**vars(x))) == x, argv
     c = T.apply_method_defaults(T.build_parser().parse_args(["--model", "cnn", "--method", "topk"]))
     assert (c.lr, c.momentum, c.hidden) == (0.2, 0.0, None)
+    # the hook sends parameters under 2048 elements whole; the top-k baseline compresses all
+    assert (m.min_compress_numel, c.min_compress_numel) == (2048, 0)
+    assert T.apply_method_defaults(argparse.Namespace(**vars(c))) == c
+    e = T.apply_method_defaults(T.build_parser().parse_args(["--min-compress-numel", "0"]))
+    assert e.min_compress_numel == 0
     a = T.apply_method_defaults(T.build_parser().parse_args(["--optimizer", "adamw", "--method", "ddp"]))
     assert (a.lr, a.momentum, a.weight_decay, a.lr_schedule) == (1e-3, None, 0.1, "constant")
 

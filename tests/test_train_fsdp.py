@@ -116,6 +116,8 @@ def test_slimdp_optimizer_methods(tmp_path, text):
     (["--model", "gpt", "--world-size", "4", "--mesh", "2,2", "--link-times", "100mbit"], "--link-times"),
     (["--model", "gpt", "--world-size", "4", "--mesh", "2,2", "--profile", "--method", "ddp"], "--profile"),
     (["--model", "gpt", "--world-size", "4", "--mesh", "2,2", "--delay-steps", "1"], "--delay-steps"),
+    (["--model", "gpt", "--world-size", "4", "--mesh", "2,2", "--method", "slimdp",
+      "--min-compress-numel", "0"], "--min-compress-numel"),
     (["--model", "gpt", "--world-size", "4", "--mesh", "4"], "--mesh"),
     (["--model", "gpt", "--world-size", "4", "--mesh", "2,x"], "--mesh"),
     (["--model", "gpt", "--world-size", "4", "--mesh", "0,4"], "--mesh"),

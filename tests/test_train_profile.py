@@ -46,6 +46,8 @@ def test_profile_phases_add_up_to_the_step(tmp_path, method, extra):
     (["--method", "ddp", "--delay-steps", "1"], "--delay-steps"),
     (["--method", "topk", "--delay-steps", "0"], "--delay-steps"),
     (["--method", "ddp", "--allreduce-algorithm", "two_shot"], "--allreduce-algorithm"),
+    (["--method", "diloco", "--min-compress-numel", "0"], "--min-compress-numel"),
+    (["--method", "slimdp", "--min-compress-numel", "-1"], "--min-compress-numel"),
     (["--method", "diloco", "--allreduce-algorithm", "backend"], "--allreduce-algorithm"),
     (["--method", "slimdp", "--allreduce-algorithm", "ring"], "--allreduce-algorithm"),
     (["--method", "slimdp", "--allreduce-algorithm", "two_shot", "--delay-steps", "1"],

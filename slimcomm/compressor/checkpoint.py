@@ -279,7 +279,8 @@ class _CheckpointMixin:
 
     def __setstate__(self, state):
         """Rebuild with the default process group; re-attach the model afterwards."""
-        hp = state["hyperparameters"]
+        # pickles made before min_compress_numel existed compressed every parameter
+        hp = {"min_compress_numel": 0, **state["hyperparameters"]}
         accepted = inspect.signature(type(self).__init__).parameters
         # an adapter may not offer every core hyperparameter (SlimDPState: no value_bits)
         self.__init__(process_group=None, **{k: v for k, v in hp.items() if k in accepted})

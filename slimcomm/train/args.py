@@ -716,6 +716,11 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
     # still refuses only what the user gave)
     if args.method == "slimdp" and not given("delay_steps"):
         args.delay_steps = 0
+    if args.method in ("slimdp", "topk") and not given("min_compress_numel") and \
+            getattr(args, "mesh", None) is None:
+        # slimdp: SlimDPState's default; topk, the top-k / DGC baseline as published, compresses
+        # every parameter (its small dense tensors would also all-gather their indices)
+        args.min_compress_numel = 2048 if args.method == "slimdp" else 0
     if args.method == "slimdp" and not given("allreduce_algorithm"):
         args.allreduce_algorithm = "backend"
     if args.method == "slimdp" and args.allreduce_algorithm == "two_shot" and args.delay_steps:

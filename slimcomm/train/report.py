@@ -52,7 +52,7 @@ CONFIG_KEYS = (
     "target_loss", "stop_at_target", "powersgd_rank", "powersgd_start_iter", "core_ratio", "explore_ratio",
     "core_refresh", "warmup_steps", "value_dtype", "local_steps", "tokens", "text_file", "n_layer", "n_embd",
     "n_head", "block_size", "dropout", "val_batches", "sync_every", "outer_lr", "outer_momentum", "value_bits",
-    "error_decay",
+    "error_decay", "min_compress_numel",
 )
 """Options that define a configuration (the seed and output/launch options are left out)."""
 

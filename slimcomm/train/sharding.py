@@ -68,6 +68,9 @@ def check_mesh_args(args: argparse.Namespace, bad: Callable[[str], None]) -> Non
         bad(f"--mesh {r},{s} has {r * s} ranks but --world-size is {ws} (R * S must equal the world size)")
     if getattr(args, "profile", False):
         bad("--profile does not apply with --mesh (it times the DDP and optimizer-side methods unsharded)")
+    if getattr(args, "min_compress_numel", None) is not None:
+        bad("--min-compress-numel is an option of the DDP hook; with --mesh the FSDP hook "
+            "compresses every parameter shard")
     if getattr(args, "delay_steps", 0):
         bad("--delay-steps 1 does not apply with --mesh (the FSDP2 Slim-DP hook has no delayed mode)")
 

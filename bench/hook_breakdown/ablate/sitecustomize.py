@@ -55,7 +55,8 @@ def _install(mode):
                 n = len(bucket.parameters())  # the flags
                 for p in bucket.parameters():
                     k, m, dense = hooks.selection_sizes(p.numel(), state.core_ratio,
-                                                        state.explore_ratio)
+                                                        state.explore_ratio,
+                                                        state.min_compress_numel)
                     n += p.numel() if dense else k + m
             wire = torch.zeros(n, dtype=torch.bfloat16, device=buf.device)
             fut = comm.all_reduce(wire, state.group, timeout=state._timeout).get_future()
