@@ -65,7 +65,8 @@ if REPO not in sys.path:
 
 from slimcomm import compressor, ops  # noqa: E402
 from slimcomm._opcount import OpCounter, synchronous_collectives  # noqa: E402
-from slimcomm.hooks import SlimDPState, explore_rng_offset, selection_sizes, slim_dp_hook  # noqa: E402
+from slimcomm.hooks import (MIN_COMPRESS_NUMEL, SlimDPState, explore_rng_offset,  # noqa: E402
+                            selection_sizes, slim_dp_hook)
 
 METHODS = ("dense", "powersgd", "slim_shared", "slim_local")
 
@@ -79,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=6,
                    help="untimed steps per method (>= every method's dense warm-up)")
     p.add_argument("--methods", default=",".join(METHODS), help="subset of " + ",".join(METHODS))
-    p.add_argument("--min-compress-numel", type=int, default=2048,
+    p.add_argument("--min-compress-numel", type=int, default=MIN_COMPRESS_NUMEL,
                    help="SlimDPState(min_compress_numel=): smaller parameters are sent whole")
     p.add_argument("--core-ratio", type=float, default=0.01)
     p.add_argument("--explore-ratio", type=float, default=0.01)

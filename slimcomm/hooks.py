@@ -70,7 +70,12 @@ __all__ = [
     "slim_dp_hook",
     "selection_sizes",
     "explore_rng_offset",
+    "MIN_COMPRESS_NUMEL",
 ]
+
+#: ``SlimDPState``'s default ``min_compress_numel``: parameters with fewer elements are sent
+#: whole (see the class docstring; the training command and the benchmarks read it here)
+MIN_COMPRESS_NUMEL = 2048
 
 
 class SlimDPState(SlimDPCompressor):
@@ -177,7 +182,7 @@ class SlimDPState(SlimDPCompressor):
       time, although together they are a small share of the bytes. Measured (issue 31,
       the convnet at 8 ranks, seeds 0-2, loopback): 0.85 test accuracy after 100 / 120 /
       120 steps against 140 / 200 / 180 with 0 (the earlier behaviour; 1-D parameters
-      alone, 140 / 160), for 19% more bytes per step. ``0`` compresses every parameter.
+      alone, 140 / 160 / never), for 19% more bytes per step. ``0`` compresses every parameter.
     * ``model`` (default ``None``): shortcut for :meth:`attach`.
 
     State (per parameter, keyed by its position in ``model.parameters()``):
@@ -249,7 +254,7 @@ class SlimDPState(SlimDPCompressor):
         error_decay: float = 1.0,
         delay_steps: int = 0,
         allreduce_algorithm: str = "backend",
-        min_compress_numel: int = 2048,
+        min_compress_numel: int = MIN_COMPRESS_NUMEL,
     ):
         super().__init__(
             process_group=process_group, core_ratio=core_ratio, explore_ratio=explore_ratio,

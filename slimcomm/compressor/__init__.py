@@ -43,7 +43,8 @@ Per tensor ``p`` (position ``pos``, ``n`` elements) and per synchronised step
    zeroed.
 
 ``k, m = selection_sizes(n, core_ratio, explore_ratio, min_compress_numel)``; a
-tensor with ``k + m >= n`` or fewer than ``min_compress_numel`` elements is sent densely inside the same packed buffer, and a group of
+tensor with ``k + m >= n`` or fewer than ``min_compress_numel`` elements is sent
+densely inside the same packed buffer, and a group of
 only such tensors is a plain all-reduce (in ``index_mode="local"``: the same
 all-gather and fp32 scatter-add as beside sparse tensors, only no indices
 travel). Everything is per position, so the

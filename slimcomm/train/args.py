@@ -317,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--value-dtype", choices=("fp32", "bf16", "fp16"), default="bf16", help="dtype of values on the wire")
     g.add_argument("--min-compress-numel", type=_nonneg_int("--min-compress-numel"), default=None,
                    help="parameters with fewer elements are sent whole (SlimDPState(min_compress_numel=); "
-                        "default 2048; 0 compresses every parameter)")
+                        "default: 2048 for slimdp, 0 for topk, the top-k baseline; 0 compresses every "
+                        "parameter)")
     g.add_argument("--fuse-sgd", action=argparse.BooleanOptionalAction, default=None,
                    help="slimdp only: the hook applies plain SGD at the index set itself "
                         "(SlimDPState.fuse_sgd: no dense bucket write, no dense optimizer pass); default: "
@@ -720,7 +721,9 @@ def apply_method_defaults(args: argparse.Namespace) -> argparse.Namespace:
             getattr(args, "mesh", None) is None:
         # slimdp: SlimDPState's default; topk, the top-k / DGC baseline as published, compresses
         # every parameter (its small dense tensors would also all-gather their indices)
-        args.min_compress_numel = 2048 if args.method == "slimdp" else 0
+        from ..hooks import MIN_COMPRESS_NUMEL
+
+        args.min_compress_numel = MIN_COMPRESS_NUMEL if args.method == "slimdp" else 0
     if args.method == "slimdp" and not given("allreduce_algorithm"):
         args.allreduce_algorithm = "backend"
     if args.method == "slimdp" and args.allreduce_algorithm == "two_shot" and args.delay_steps:
