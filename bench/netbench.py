@@ -589,12 +589,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _loop_priority(results) -> str:
     """The heading's note of the gloo loop threads' priority (``--comm-thread-priority``;
-    runs made before the option were ``normal``), per method where the runs differ."""
+    runs made before the option were ``normal``), per method where the runs differ. A
+    projected run counts with its timed run's priority (its times come from that run; its
+    trajectory may be reused from a run made with another)."""
     per = {}
     for by_method in results.values():
         for m, runs in by_method.items():
             for r in runs:
-                per.setdefault(m, set()).add(r["config"].get("comm_thread_priority", "normal"))
+                prio = r.get("projected", {}).get("comm_thread_priority")
+                per.setdefault(m, set()).add(prio or r["config"].get("comm_thread_priority", "normal"))
     every = set().union(*per.values()) if per else {"normal"}
     if len(every) == 1:
         return f"gloo loop threads {every.pop()} (--comm-thread-priority)"

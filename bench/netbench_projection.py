@@ -214,7 +214,7 @@ def project_run(trajectory: Dict, timed: Dict, trajectory_rate: str) -> Dict:
     separate local steps from synchronisations, the local step's time is the full run's and the
     synchronisations' the timed run's), the same for ``final`` and ``time_to_target``; bytes, losses, accuracies and wire
     counters are the trajectory's; ``"projected"`` records the timed run (steps, ms/step,
-    train time, its own payload and wire bytes).
+    train time, its own payload and wire bytes, the gloo loop threads' priority it ran with).
 
     Raises:
         ValueError: if the runs disagree on method or world size, or the timed run has no steps.
@@ -253,5 +253,7 @@ def project_run(trajectory: Dict, timed: Dict, trajectory_rate: str) -> Dict:
         "timed_train_time_s": timed["final"]["train_time_s"],
         "timed_bytes_sent_per_rank": timed["final"]["bytes_sent_per_rank"],
         "timed_wire": timed.get("wire"),
+        # the trajectory may be reused from a run made with another priority
+        "comm_thread_priority": timed["config"].get("comm_thread_priority", "normal"),
     }
     return p

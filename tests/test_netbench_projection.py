@@ -165,3 +165,23 @@ def test_steady_rate_of_a_local_step_method_counts_its_synchronisations():
     sep = dict(run, steps=240, evals=[{"step": s, "train_time_s": t(s)} for s in range(20, 240, 20)],
                final={"train_time_s": t(240)})
     assert steady_ms_per_step(sep) == pytest.approx(300.0)
+
+
+def test_heading_names_the_priority_of_the_timed_runs_not_the_reused_trajectory():
+    # a trajectory reused from a run with normal loop threads, timed with idle ones: the
+    # projected run's times are the timed run's, so the heading names idle for it
+    traj = _lm_run("ddp", 100, 10.0, [(50, 2.5), (100, 2.0)])
+    traj["config"] = {"comm_thread_priority": "normal"}
+    timed = _lm_run("ddp", 20, 40.0, [(20, 3.0)])
+    timed["config"] = {"comm_thread_priority": "idle"}
+    p = project_run(traj, timed, "1gbit")
+    assert p["projected"]["comm_thread_priority"] == "idle"
+    assert p["config"]["comm_thread_priority"] == "normal"  # the trajectory's config is kept
+    assert netbench._loop_priority({"100mbit": {"ddp": [p]}}) == \
+        "gloo loop threads idle (--comm-thread-priority)"
+    assert netbench._loop_priority({"1gbit": {"ddp": [traj]}, "100mbit": {"ddp": [p]}}) == \
+        "gloo loop threads (--comm-thread-priority): ddp idle/normal"
+    # a projected run recorded before the field existed falls back to its config
+    del p["projected"]["comm_thread_priority"]
+    assert netbench._loop_priority({"100mbit": {"ddp": [p]}}) == \
+        "gloo loop threads normal (--comm-thread-priority)"
