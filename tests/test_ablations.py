@@ -42,3 +42,16 @@ def test_two_ablations_run_on_two_ranks(tmp_path):
     assert len(rows) == 2
     for row in rows:
         assert float(row.split("|")[3]) > 0  # ms/step measured
+
+
+FLOOR = os.path.join(REPO, "bench", "hook_breakdown", "floor.py")
+
+
+@pytest.mark.parametrize("argv,needle", [(["--only", "local,bogus"], "bogus"),
+                                         (["--rates", "1gbit", "--trajectory-rate", "1gbit"],
+                                          "--trajectory-rate"),
+                                         (["--rates", ","], "--rates")])
+def test_floor_bad_arguments(argv, needle):
+    r = subprocess.run([sys.executable, FLOOR, *argv], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and needle in r.stderr

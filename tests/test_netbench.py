@@ -245,3 +245,26 @@ def test_nodes_refusals():
                         "--nodes", "2", "--methods", "ddp", "--", "--model", "gpt", "--mesh", "4,1"],
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode != 0 and "--mesh 4,1 after -- must have R = --nodes 2" in r.stderr, r.stderr
+
+
+def test_hook_floor_script_on_two_ranks(tmp_path):
+    """bench/hook_breakdown/floor.py: one netbench run per configuration (the ablation in
+    every rank through its environment), the table of the timed runs' ms/step."""
+    out = tmp_path / "floor.md"
+    r = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "hook_breakdown", "floor.py"),
+         "--world-size", "2", "--rates", "1gbit", "--trajectory-rate", "10gbit",
+         "--trajectory-steps", "10", "--timed-steps", "10", "--seeds", "0", "--port", "29567",
+         "--results-dir", str(tmp_path / "res"), "--name", "fl", "--only", "local,hook-payload",
+         "--out", str(out), "--", "--batch-size", "32", "--train-subset", "2000", "--eval-every", "5"],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {ln.split("|")[1].strip(): ln.split("|") for ln in out.read_text().splitlines()
+            if ln.startswith("| local") or ln.startswith("| hook-payload")}
+    assert set(rows) == {"local", "hook-payload"}
+    assert rows["local"][4].strip() == "1.00"
+    assert float(rows["hook-payload"][3].split()[0]) > 0 and float(rows["hook-payload"][4]) > 0
+    payload = json.loads((tmp_path / "res" / "fl_hook-payload" / "1gbit_slimdp_s0_timed.json").read_text())
+    assert payload["steps"] == 10 and payload["config"]["lr"] == 0.02
+    # the ablation ran in the ranks: the hook's all-reduce of zeros sent bytes, no compressor
+    assert payload["final"]["bytes_sent_per_rank"] > 0
