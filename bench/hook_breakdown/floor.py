@@ -138,7 +138,7 @@ def main(argv=None):
     headers = ["configuration", "what runs"]
     for r in args.rates:
         headers += [f"{r}: ms/step (per seed)", "x local"]
-    table = tabulate(rows, headers=headers, tablefmt="github")
+    table = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     head = (f"{args.world_size} ranks, one network namespace each (bench/netbench.py), timed runs of "
             f"{args.timed_steps} steps at {', '.join(args.rates)}, seeds {', '.join(seeds)} (medians); "
             f"training flags `{' '.join(train)}`.\n"
