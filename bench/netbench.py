@@ -559,7 +559,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     header = (
         f"## slimcomm netbench: {_topology(a)}\n\n"
         f"Data {any_r['dataset']['name']} ({any_r['dataset']['train_samples_per_rank']} training samples per rank), "
-        f"MLP hidden {cfg['hidden']} ({any_r['model']['num_params']:,} parameters), "
+        f"{_model_words(any_r, cfg)} ({any_r['model']['num_params']:,} parameters), "
         f"batch {cfg['batch_size']} per rank, "
         f"{str(cfg['epochs']) + ' epochs' if cfg.get('epochs') is not None else str(cfg.get('steps')) + ' steps'}, "
         f"evaluation every {cfg['eval_every'] or 'epoch'} steps, {threads} thread(s) per rank, "
@@ -585,6 +585,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(md)
     print(f"[netbench] wrote {md_path} and {png_path}")
     return 0
+
+
+def _model_words(run, cfg) -> str:
+    """The heading's name of the model: ``MLP hidden [..]`` or the model's name (``CNN``)."""
+    name = run.get("model", {}).get("name") or cfg.get("model") or "mlp"
+    return f"MLP hidden {cfg.get('hidden')}" if name == "mlp" else name.upper()
 
 
 def _loop_priority(results) -> str:

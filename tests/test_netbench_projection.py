@@ -185,3 +185,10 @@ def test_heading_names_the_priority_of_the_timed_runs_not_the_reused_trajectory(
     del p["projected"]["comm_thread_priority"]
     assert netbench._loop_priority({"100mbit": {"ddp": [p]}}) == \
         "gloo loop threads normal (--comm-thread-priority)"
+
+
+def test_heading_names_the_model():
+    assert netbench._model_words({"model": {"name": "mlp"}}, {"hidden": [2048, 2048]}) == \
+        "MLP hidden [2048, 2048]"
+    assert netbench._model_words({"model": {"name": "cnn"}}, {"model": "cnn", "hidden": None}) == "CNN"
+    assert netbench._model_words({"model": {}}, {"hidden": [64]}) == "MLP hidden [64]"  # old results
