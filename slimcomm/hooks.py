@@ -172,8 +172,12 @@ class SlimDPState(SlimDPCompressor):
       faster). Measured (issue 31, ``bench/results/scale/mlp_8ranks_issue31e.md``, 8 ranks
       on emulated links without added delay, MLP, one bucket, same run): 218-225 ms a step
       against the ring's 221-238 at 1 Gbit/s, 232-251 against 243-265 at 100 Mbit/s; in the
-      latency projection 3.6 hops a step against 15.6. Not the default yet: the per-step
-      gain is within this machine's noise and models with several buckets are unmeasured.
+      latency projection 3.6 hops a step against 15.6. The convnet
+      (``cnn_8ranks_issue31g.md``, one bucket, medians of 3 seeds): 0.85 test accuracy in
+      16.5 / 16.8 s against the ring's 17.8 / 19.2 s at 1 Gbit/s / 100 Mbit/s. Not the
+      default: the per-step gain is within this machine's noise (the MLP's hook floor run,
+      ``bench/results/hook_floor_8ranks.md``, had it 1.07x slower at 1 Gbit/s), models with
+      several buckets are unmeasured, and NCCL's own all-reduce is not a ring of host hops.
     * ``min_compress_numel`` (default 2048): a parameter with fewer elements is sent
       whole (dense, inside the same packed buffer), as PowerSGD sends vectors
       uncompressed (Vogels et al., NeurIPS 2019, Sec. 4). At 1% + 1% a tensor of 2,000
