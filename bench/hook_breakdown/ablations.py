@@ -47,6 +47,14 @@ CONFIGS = [
 ]
 
 
+def emit(text, out=None):
+    """Print ``text`` (a markdown table with its heading) and, with ``out``, write it there."""
+    print(text)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text + "\n")
+
+
 def run_one(method, ablate, extra, args, out_json):
     cmd = [sys.executable, "-m", "slimcomm.train", "--world-size", str(args.world_size),
            "--method", method, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
@@ -106,10 +114,7 @@ def main(argv=None):
             f"{args.eval_every} and {args.steps}, SGD lr {args.lr} momentum 0, {args.repeats} runs each.\n"
             f"Command: `bench/hook_breakdown/ablations.py "
             f"{' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
-    print(head + table)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(head + table + "\n")
+    emit(head + table, args.out)
     return 0
 
 

@@ -40,6 +40,9 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 from netbench_projection import timed_args  # noqa: E402
 
+sys.path.insert(0, HERE)
+from ablations import emit  # noqa: E402
+
 #: (name, netbench method, SLIMCOMM_ABLATE or None, extra training flags, what it measures)
 CONFIGS = [
     ("local", "local", None, [], "each rank trains alone: no DDP, no collective"),
@@ -143,10 +146,7 @@ def main(argv=None):
             f"{args.timed_steps} steps at {', '.join(args.rates)}, seeds {', '.join(seeds)} (medians); "
             f"training flags `{' '.join(train)}`.\n"
             f"Command: `bench/hook_breakdown/floor.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
-    print(head + table)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(head + table + "\n")
+    emit(head + table, args.out)
     return 0
 
 
