@@ -144,7 +144,8 @@ def main(argv=None):
     table = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     head = (f"{args.world_size} ranks, one network namespace each (bench/netbench.py), timed runs of "
             f"{args.timed_steps} steps at {', '.join(args.rates)}, seeds {', '.join(seeds)} (medians); "
-            f"training flags `{' '.join(train)}`.\n"
+            f"training flags `{' '.join(train)}` (their length replaced: {args.trajectory_steps}-step "
+            f"full runs at {args.trajectory_rate}, {args.timed_steps}-step timed runs).\n"
             f"Command: `bench/hook_breakdown/floor.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n")
     emit(head + table, args.out)
     return 0
