@@ -156,6 +156,35 @@ def test_op_matches_reference(pdtype, wdtype, keep_all_zero, flags):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("order", ["ascending runs", "shuffled"])
+def test_op_matches_reference_large_any_order(order):
+    """Past the parallel grain (several chunks, each with its own segment cursor and
+    prefetch window) and with an empty segment: ascending runs as the selection ops give,
+    or every index in random order (the op's contract allows any order)."""
+    g = torch.Generator().manual_seed(11)
+    sizes = [70_000, 0, 3, 50_000, 1]
+    params = [torch.randn(n, generator=g) for n in sizes]
+    offsets = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist())
+    n = int(offsets[-1])
+    idx = torch.randperm(n, generator=g)[: n // 3]
+    idx = idx.sort().values if order == "ascending runs" else idx
+    S = len(sizes)
+    avg = torch.cat([torch.randn(idx.numel(), generator=g), torch.ones(S)]).bfloat16()
+    avg[S] = float("nan")  # a non-finite value: its segment is left unchanged
+    want = [p.clone() for p in params]
+    ref.sgd_apply_indexed(want, idx, offsets, avg, 0.37, False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = [p.clone() for p in params]
+        ops.sgd_apply_indexed(got, idx, offsets, avg, 0.37, False)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, p in zip(got, want, params):
+        assert torch.equal(a, b)
+    assert sum(not torch.equal(a, p) for a, p in zip(got, params)) >= 2
+
+
 def test_op_matches_torch_sgd_on_the_committed_bucket():
     """fp32: the fused update equals step_commit's bucket stepped by torch.optim.SGD."""
     params, idx, offsets, avg = _case(5, torch.float32, torch.bfloat16, True, FLAGS[1])

@@ -386,12 +386,13 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cpu(
     dispatch_value(av.scalar_type(), [&](auto* wtag) {
       using W = std::remove_pointer_t<decltype(wtag)>;
       const W* pa = av.data_ptr<W>();
-      std::vector<int64_t> seg(k);
       std::vector<char> nonfinite(S, 0);
-      for (int64_t j = 0; j < k; ++j) {
-        seg[j] = segment_of(o, S, pi[j]);
-        const float v = static_cast<float>(static_cast<T>(pa[j]));
-        if (v - v != 0.f) nonfinite[seg[j]] = 1;
+      {
+        cpu::SegmentCursor seg_of(o, S);
+        for (int64_t j = 0; j < k; ++j) {
+          const float v = static_cast<float>(static_cast<T>(pa[j]));
+          if (v - v != 0.f) nonfinite[seg_of(pi[j])] = 1;
+        }
       }
       std::vector<float> fl(S);
       for (int64_t s = 0; s < S; ++s) fl[s] = static_cast<float>(pa[k + s]);
@@ -422,9 +423,14 @@ std::tuple<at::Tensor, at::Tensor> step_commit_cpu(
         });
       }
       at::parallel_for(0, k, kGrain, [&](int64_t a, int64_t b) {
+        cpu::SegmentCursor seg_of(o, S);
         for (int64_t j = a; j < b; ++j) {
+          // reading the old G (for the undo of a void step) misses the cache at every
+          // sparse index: prefetched ahead as in sgd_apply_indexed (stores alone do not stall)
+          if (pold && j + cpu::kPrefetchAhead < b)
+            __builtin_prefetch(pg + pi[j + cpu::kPrefetchAhead], 1);
           const int64_t i = pi[j];
-          const int d = dec[seg[j]];
+          const int d = dec[seg_of(i)];
           if (pb && !packed && (d & 1)) pb[i] = static_cast<T>(pa[j]);
           if (pg) {
             const float old = pg[i];
