@@ -12,6 +12,8 @@ warm-up, so background load hits both alike; the table reports medians.
 | explore_sample (exclude = a 1% core set) | mask + ``nonzero`` + ``randperm(...)[:m]`` + sort |
 | pack | ``src.index_select(0, idx)`` |
 | unpack / unpack (accumulate) | ``dst.index_copy_(0, idx, v)`` / ``dst.index_add_(0, idx, v)`` |
+| sgd_apply_indexed (MLP-like bucket, core + explore runs) | ``flat.index_add_(0, idx, v, alpha=-lr)`` |
+| step_commit (old G; the hook's commit under ``fuse_sgd``) | ``old = G.index_select(0, idx)`` + ``G.index_copy_(0, idx, v)`` |
 | gather_slices / scatter_slices | ``W[rows[:, None], cols]`` / ``W[rows[:, None], cols] = block`` (half the rows and columns, an IST subnet of 2 workers) |
 
 significance_topk also runs on tied scores (``--tied``, default
@@ -260,6 +262,43 @@ def build_cases(n: int, density: float, dtype: torch.dtype, device: torch.device
         cases.append(Case("unpack (accumulate)", n, density, k * (8 + 3 * es),
                           lambda: ops.unpack(dst, idx, vals, True), lambda: dst.index_add_(0, idx, vals)))
 
+    if {"sgd_apply_indexed", "step_commit"} & which:
+        # The hook's index set over an MLP-like bucket: a core and an explore set, each
+        # ascending (two runs, as the selection ops give), k values each, sparse enough that
+        # nearly every index touches its own cache line of the parameters or G.
+        sizes = mlp_layout(n)
+        nn_ = sum(sizes)
+        offs = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), device=device)
+        pick = torch.randperm(nn_, generator=g)[: 2 * max(1, int(nn_ * density) // 2)]
+        half = pick.numel() // 2
+        hidx = torch.cat([pick[:half].sort().values, pick[half:].sort().values]).to(device)
+        kk = hidx.numel()
+        S = len(sizes)
+        avg = torch.cat([gr[:kk], torch.ones(S, dtype=dtype, device=device)])
+        flat = w[:nn_].clone()
+        params = list(torch.split(flat, sizes))
+        if "sgd_apply_indexed" in which:
+            cases.append(Case("sgd_apply_indexed", nn_, density, kk * (8 + 3 * es),
+                              lambda: ops.sgd_apply_indexed(params, hidx, offs, avg, 1e-3),
+                              lambda: flat.index_add_(0, hidx, avg[:kk], alpha=-1e-3)))
+        if "step_commit" in which:
+            G = torch.zeros(nn_, dtype=torch.float32, device=device)
+            cnt = torch.zeros(2, dtype=torch.int64, device=device)
+            gbuf = gr[:nn_]
+            gvals = avg[:kk].float()
+
+            def commit_ref():
+                old = G.index_select(0, hidx)
+                G.index_copy_(0, hidx, gvals)
+                return old
+            # the DDP hook's commit under fuse_sgd: G <- the averages at the index set and the
+            # old values returned for the undo of a void step; the bucket is not written
+            cases.append(Case("step_commit (old G)", nn_, density, kk * (8 + es + 8),
+                              lambda: ops.step_commit(gbuf, hidx, offs, avg, cnt, G=G,
+                                                      return_old_g=True, keep_all_zero=True,
+                                                      write_buf=False),
+                              commit_ref))
+
     if with_slices and {"gather_slices", "scatter_slices"} & which:
         side = int(math.isqrt(n))
         W = w[: side * side].view(side, side)
@@ -279,7 +318,7 @@ def build_cases(n: int, density: float, dtype: torch.dtype, device: torch.device
 
 
 ALL_OPS = ["significance_topk", "significance_topk_segmented", "explore_sample", "pack", "unpack",
-           "unpack_acc", "gather_slices", "scatter_slices"]
+           "unpack_acc", "sgd_apply_indexed", "step_commit", "gather_slices", "scatter_slices"]
 
 
 def vm_hwm() -> int:

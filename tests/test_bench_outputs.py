@@ -40,3 +40,16 @@ def test_kernels_writes_where_told(tmp_path):
     written = sorted(p.name for p in tmp_path.iterdir())
     assert len(written) == 2 and written[0].startswith("cpu-kernels-"), written
     assert set(os.listdir(os.path.join(REPO, "bench", "results"))) == before
+
+
+def test_kernels_every_op_runs(tmp_path):
+    """Every op of the kernel benchmark runs beside its reference at a tiny size (the cases
+    share inputs; one case must not disturb another's) and lands in the table."""
+    r = _run(os.path.join(REPO, "bench", "kernels.py"), "--sizes", "1e4", "--densities", "0.02",
+             "--repeats", "1", "--warmup", "0", "--no-peak", "--tied", "", "--results-dir",
+             str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    md = next(p for p in tmp_path.iterdir() if p.suffix == ".md").read_text()
+    for name in ["significance_topk", "explore_sample", "pack", "unpack (accumulate)",
+                 "sgd_apply_indexed", "step_commit (old G)", "gather_slices", "scatter_slices"]:
+        assert f"| {name} " in md, (name, md)
