@@ -46,3 +46,30 @@ def test_a_two_rank_run_gives_the_table(tmp_path, delay):
     assert float(rows["step_encode op (error feedback + pack)"][0]) > 0
     if delay == "1":
         assert "delayed: resolve (wait previous + commit)" in rows
+
+
+def _builds(*args, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(HB, "builds.py"), *args], cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_builds_refuses_a_checkout_without_a_build(tmp_path):
+    """builds.py names the argument whose checkout has no package or no built extension,
+    before any run."""
+    r = _builds("--base", str(tmp_path))
+    assert r.returncode != 0 and "--base" in r.stderr and "no slimcomm package" in r.stderr
+    (tmp_path / "slimcomm").mkdir()
+    r = _builds("--base", str(tmp_path))
+    assert r.returncode != 0 and "no built extension" in r.stderr
+    r = _builds("--base", REPO, "--rounds", "0")
+    assert r.returncode != 0 and "--rounds must be >= 1" in r.stderr
+
+
+def test_builds_two_rank_run(tmp_path):
+    """One round of the same checkout as base and head on 2 ranks: a table with both."""
+    out = tmp_path / "t.md"
+    r = _builds("--base", REPO, "--rounds", "1", "--out", str(out), "--port", "29893", "--",
+                "--world-size", "2", "--steps", "4", "--method", "slimdp", "--train-subset", "512")
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "| base " in text and "| head " in text and "--world-size 2" in text
